@@ -1,0 +1,203 @@
+"""Every configuration key, in one table, and the rules for where values come from.
+
+The table is the ``DepotConfig`` dataclass itself: each field carries its type, default and
+doc (in ``metadata``), so there is no second list to keep in step. Sources, lowest first:
+
+1. the defaults below;
+2. a YAML file named by ``KVDEPOT_CONFIG_FILE`` (kvdepot keys, or LMCache's names for the
+   same things, so an LMCache config file can be brought as it is);
+3. ``KVDEPOT_<KEY>`` environment variables (strings, parsed by the key's type);
+4. explicit arguments (``load_config(chunk_size=128)``).
+
+An unknown key, a value of the wrong type or a value out of range raises ``ConfigError``
+naming the key, the value and what is allowed. Caller-owned objects are never mutated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvdepot.errors import ConfigError
+
+logger = logging.getLogger("kvdepot")
+
+ENV_PREFIX = "KVDEPOT_"
+CONFIG_FILE_ENV = "KVDEPOT_CONFIG_FILE"
+
+
+def _key(default: Any, doc: str, *, choices: tuple[str, ...] = (), minimum: float | None = None):
+    return field(default=default, metadata={"doc": doc, "choices": choices, "minimum": minimum})
+
+
+@dataclass(frozen=True)
+class DepotConfig:
+    """Normalized configuration consumed by every kvdepot layer (never an engine's own config)."""
+
+    chunk_size: int = _key(256, "Tokens per cached chunk; a multiple of the engine's tokens_per_block.", minimum=1)
+    host_capacity_gb: float = _key(4.0, "Host (pinned when CUDA is present) memory for the host tier, in GB.", minimum=0)
+    disk_path: str | None = _key(None, "Directory of the disk tier; unset disables it.")
+    disk_capacity_gb: float = _key(16.0, "Capacity of the disk tier in GB.", minimum=0)
+    remote_url: str | None = _key(None, "Redis/Valkey URL (redis://, rediss://, unix://) of the shared tier; unset disables it.")
+    server_url: str | None = _key(None, "URL of a kvdepot server (multi-process mode); unset uses the per-user ipc:// default.")
+    save_decode_cache: bool = _key(False, "Also save chunks completed during decode, not only the prompt's.")
+    log_level: str = _key("INFO", "Level of the 'kvdepot' logger.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    hash_algo: str = _key("blake3", "Digest of the chained chunk keys (128-bit).", choices=("blake3", "xxh3_128"))
+    cache_salt: str = _key("", "Mixed into every key: deployments with different salts never share KV.")
+    model_id: str = _key("", "Model identity mixed into every key; adapters fill it from the engine's model name.")
+    lease_timeout_s: float = _key(30.0, "Seconds a looked-up chunk stays pinned if its load never comes.", minimum=0.001)
+    pin_host_memory: str = _key("auto", "Pin the host tier's memory: auto = when CUDA is available.", choices=("auto", "true", "false"))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check_value(f, getattr(self, f.name))
+
+
+# LMCache's names for the same things, so a user can bring an LMCache config file.
+LMCACHE_ALIASES: dict[str, str] = {
+    "max_local_cpu_size": "host_capacity_gb",
+    "local_disk": "disk_path",
+    "max_local_disk_size": "disk_capacity_gb",
+    "remote_url": "remote_url",
+    "chunk_size": "chunk_size",
+    "save_decode_cache": "save_decode_cache",
+}
+# LMCache keys that have no meaning here: accepted from a file and ignored with a warning,
+# so an LMCache config loads; anything else unknown is an error.
+LMCACHE_IGNORED = frozenset({"local_cpu", "remote_serde", "use_layerwise", "enable_blending", "lmcache_instance_id"})
+
+_FIELDS = {f.name: f for f in dataclasses.fields(DepotConfig)}
+
+
+def config_keys() -> list[dataclasses.Field]:
+    """The table: one dataclass field per key (name, type, default, ``metadata['doc']``)."""
+    return list(_FIELDS.values())
+
+
+def _allowed(f: dataclasses.Field) -> str:
+    choices = f.metadata["choices"]
+    if choices:
+        return "one of " + ", ".join(repr(c) for c in choices)
+    kind = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
+    base = str(f.type).replace(" | None", "")
+    text = kind.get(base, base)
+    if f.metadata["minimum"] is not None:
+        text += f" >= {f.metadata['minimum']:g}"
+    if "None" in str(f.type):
+        text += " (or unset)"
+    return text
+
+
+def _fail(name: str, value: Any, f: dataclasses.Field) -> ConfigError:
+    return ConfigError(f"config key {name!r}: value {value!r} is not allowed; expected {_allowed(f)}")
+
+
+def _check_value(f: dataclasses.Field, value: Any) -> None:
+    optional = "None" in str(f.type)
+    base = str(f.type).replace(" | None", "")
+    if value is None:
+        if optional:
+            return
+        raise _fail(f.name, value, f)
+    ok_type = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+    }[base]
+    if not ok_type:
+        raise _fail(f.name, value, f)
+    if f.metadata["choices"] and value not in f.metadata["choices"]:
+        raise _fail(f.name, value, f)
+    minimum = f.metadata["minimum"]
+    if minimum is not None and value < minimum:
+        raise _fail(f.name, value, f)
+
+
+def _parse_env(f: dataclasses.Field, raw: str) -> Any:
+    """Environment values are strings: parse them by the key's type, strictly."""
+    base = str(f.type).replace(" | None", "")
+    text = raw.strip()
+    if "None" in str(f.type) and text == "":
+        return None
+    try:
+        if base == "int":
+            return int(text)
+        if base == "float":
+            return float(text)
+    except ValueError:
+        raise _fail(f.name, raw, f) from None
+    if base == "bool":
+        lowered = text.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise _fail(f.name, raw, f)
+    return text
+
+
+def _from_file(path: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: not valid YAML ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: expected a mapping of keys, got {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = str(key)
+        if name in LMCACHE_IGNORED:
+            logger.warning("config file %s: LMCache key %r has no meaning in kvdepot; ignored", path, name)
+            continue
+        target = LMCACHE_ALIASES.get(name, name)
+        if target not in _FIELDS:
+            raise ConfigError(f"config file {path!r}: unknown key {name!r}; allowed keys: {', '.join(sorted(_FIELDS))}")
+        out[target] = _normalize_alias(name, value)
+    return out
+
+
+def _normalize_alias(name: str, value: Any) -> Any:
+    """LMCache writes the disk directory as ``file:///path``; kvdepot takes the path."""
+    if name == "local_disk" and isinstance(value, str) and value.startswith("file://"):
+        return value[len("file://"):]
+    return value
+
+
+def resolve_config(
+    overrides: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> tuple[DepotConfig, dict[str, str]]:
+    """Return the effective config and, per key, where its value came from."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources = {name: "default" for name in _FIELDS}
+    file_path = env.get(CONFIG_FILE_ENV)
+    if file_path:
+        for name, value in _from_file(file_path).items():
+            values[name], sources[name] = value, f"file {file_path}"
+    for name, f in _FIELDS.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name], sources[name] = _parse_env(f, raw), f"env {ENV_PREFIX}{name.upper()}"
+    for name, value in (overrides or {}).items():
+        target = LMCACHE_ALIASES.get(name, name)
+        if target not in _FIELDS:
+            raise ConfigError(f"unknown config key {name!r}; allowed keys: {', '.join(sorted(_FIELDS))}")
+        values[target], sources[target] = _normalize_alias(name, value), "argument"
+    return DepotConfig(**values), sources
+
+
+def load_config(**overrides: Any) -> DepotConfig:
+    """The effective config: defaults < ``KVDEPOT_CONFIG_FILE`` < ``KVDEPOT_*`` env < arguments."""
+    return resolve_config(overrides)[0]

@@ -1,0 +1,115 @@
+"""The geometry of TensorRT-LLM's cross-layer KV pool, read from the pool tensor itself.
+
+TensorRT-LLM hands the connector one contiguous tensor
+
+    pool.shape == [num_blocks, num_layers, kv_factor, num_kv_heads * tokens_per_block * head_dim]
+
+(kv_factor 2 for K and V, 1 for K-only caches such as MLA). ``pool[block_id]`` is one whole
+block across every layer: the unit kvdepot moves. Heads and head_dim are not in the shape and
+are not needed: blocks are moved as bytes, so any dtype (fp16, bf16, fp8, int8) works.
+A chunk of ``chunk_size`` tokens is ``chunk_size // tokens_per_block`` consecutive positions
+of a request's block list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvdepot.errors import LayoutError
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Geometry of one KV pool plus the chunk arithmetic kvdepot needs over it."""
+
+    num_blocks: int
+    num_layers: int
+    kv_factor: int
+    block_elems: int  # num_kv_heads * tokens_per_block * head_dim
+    dtype: torch.dtype
+    tokens_per_block: int
+    chunk_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "num_layers", "block_elems", "tokens_per_block", "chunk_size"):
+            if getattr(self, name) <= 0:
+                raise LayoutError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.kv_factor not in (1, 2):
+            raise LayoutError(f"kv_factor must be 1 (K only) or 2 (K and V), got {self.kv_factor}")
+        if self.block_elems % self.tokens_per_block:
+            raise LayoutError(
+                f"block row of {self.block_elems} elements is not a multiple of tokens_per_block={self.tokens_per_block}"
+            )
+        if self.chunk_size % self.tokens_per_block:
+            raise LayoutError(
+                f"chunk_size={self.chunk_size} must be a multiple of the engine's tokens_per_block={self.tokens_per_block}"
+            )
+
+    @classmethod
+    def from_pool(cls, pool: torch.Tensor, tokens_per_block: int, chunk_size: int) -> PoolLayout:
+        """Read the geometry of a TensorRT-LLM pool tensor; reject anything else clearly."""
+        if not isinstance(pool, torch.Tensor):
+            raise LayoutError(f"KV pool must be a torch.Tensor, got {type(pool).__name__}")
+        if pool.dim() != 4:
+            raise LayoutError(
+                "KV pool must be 4-D [num_blocks, num_layers, kv_factor, heads*tokens_per_block*head_dim], "
+                f"got shape {tuple(pool.shape)}"
+            )
+        if not pool.is_contiguous():
+            raise LayoutError("KV pool must be contiguous (TensorRT-LLM's primary pool is)")
+        if pool.dtype.is_complex or pool.dtype == torch.bool:
+            raise LayoutError(f"KV pool dtype {pool.dtype} is not a KV cache dtype")
+        nb, nl, kf, elems = pool.shape
+        return cls(nb, nl, kf, elems, pool.dtype, tokens_per_block, chunk_size)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V: what the leader sizes tiers by."""
+        return self.num_layers * self.kv_factor * self.block_elems * self.element_size
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.tokens_per_block
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.blocks_per_chunk * self.bytes_per_block
+
+    @property
+    def geometry(self) -> tuple[int, ...]:
+        """What must match for two pools' chunks to be interchangeable (num_blocks may differ)."""
+        return (self.num_layers, self.kv_factor, self.block_elems, self.element_size, self.tokens_per_block)
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def check_pool(self, pool: torch.Tensor) -> None:
+        """Refuse a tensor that is not the registered pool's shape and dtype."""
+        expected = (self.num_blocks, self.num_layers, self.kv_factor, self.block_elems)
+        if tuple(pool.shape) != expected or pool.dtype != self.dtype:
+            raise LayoutError(
+                f"pool shape/dtype {tuple(pool.shape)}/{pool.dtype} does not match the registered {expected}/{self.dtype}"
+            )
+
+    def check_block_ids(self, block_ids: Sequence[int]) -> None:
+        """Every id must be a row of the pool; a bad id is an error before anything moves."""
+        for b in block_ids:
+            if not (isinstance(b, int) and 0 <= b < self.num_blocks):
+                raise LayoutError(f"block id {b!r} out of range [0, {self.num_blocks})")
+
+    def full_chunks(self, num_tokens: int, num_block_ids: int) -> int:
+        """Chunks that are complete in both the tokens and the block list given."""
+        return min(num_tokens // self.chunk_size, num_block_ids // self.blocks_per_chunk)
+
+    def chunk_blocks(self, chunk_index: int) -> range:
+        """Positions in a request's block list that chunk ``chunk_index`` covers."""
+        start = chunk_index * self.blocks_per_chunk
+        return range(start, start + self.blocks_per_chunk)
