@@ -1,0 +1,370 @@
+"""``CacheEngine``: lookup / store / retrieve of whole chunks between an engine's KV pool and
+kvdepot's tiers. The one object adapters talk to; thread-safe.
+
+    lookup(tokens, skip_tokens=0, lease=None) -> int   end of the cached run, in tokens
+    store(tokens, block_ids, stream=None) -> StoreHandle
+    retrieve(tokens, block_ids, skip_blocks=0, num_blocks=None, lease=None, stream=None) -> int
+
+``block_ids`` is a request's block list in token order (block ``i`` holds tokens
+``[i*B, (i+1)*B)``). A store copies every *full* chunk of ``tokens`` that is not cached yet.
+A retrieve writes only the blocks ``[skip_blocks, skip_blocks + num_blocks)`` — never blocks
+the engine already holds — and returns how many tokens from position 0 are then valid.
+
+On CUDA, copies run on the engine's own store/load streams: a store waits for an event on
+the caller's (forward) stream and never makes the forward stream wait; a load makes the
+caller's stream wait for it. Slots written by a store become visible to lookups once the
+copy completes; slots read by a load stay pinned until it completes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvdepot.config import DepotConfig, load_config
+from kvdepot.errors import ConfigError, LayoutError
+from kvdepot.keys import ChunkHasher, ChunkKey, Namespace
+from kvdepot.layout import PoolLayout
+from kvdepot.storage.host import HostTier
+from kvdepot.transfer import TorchBlockMover
+from kvdepot.transfer.base import BlockMover
+
+
+@dataclass
+class EngineStats:
+    hits: int = 0  # chunks found by lookups
+    misses: int = 0  # lookups that stopped short of the prompt's last full chunk
+    lookups: int = 0
+    stored_chunks: int = 0
+    loaded_chunks: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    store_seconds: float = 0.0  # host-side time to enqueue/perform stores
+    load_seconds: float = 0.0
+    evictions: int = 0
+    dropped_stores: int = 0
+    live_leases: int = 0
+    pinned_chunks: int = 0
+    inflight_transfers: int = 0
+    host_chunks: int = 0
+    host_capacity_chunks: int = 0
+
+
+class StoreHandle:
+    """A store in flight. ``done()`` is true once every copied chunk is committed."""
+
+    def __init__(self, engine: CacheEngine, chunks: int, token: int | None) -> None:
+        self._engine, self.chunks, self._token = engine, chunks, token
+
+    def done(self) -> bool:
+        return self._token is None or self._engine._is_complete(self._token)
+
+    def wait(self) -> None:
+        if self._token is not None:
+            self._engine._wait_for(self._token)
+
+
+class CacheEngine:
+    """Chunks of one KV pool geometry, cached in kvdepot's tiers."""
+
+    def __init__(
+        self,
+        layout: PoolLayout,
+        config: DepotConfig | None = None,
+        *,
+        namespace: Namespace | None = None,
+        mover: BlockMover | None = None,
+    ) -> None:
+        self.config = config or load_config()
+        if self.config.chunk_size != layout.chunk_size:
+            raise ConfigError(f"config chunk_size={self.config.chunk_size} differs from the layout's {layout.chunk_size}")
+        self.layout = layout
+        self.namespace = namespace or Namespace(
+            model_id=self.config.model_id,
+            kv_dtype=layout.dtype_name,
+            geometry=layout.geometry,
+            chunk_size=layout.chunk_size,
+            cache_salt=self.config.cache_salt,
+        )
+        self.hasher = ChunkHasher(self.namespace, self.config.hash_algo)
+        capacity = int(self.config.host_capacity_gb * 1e9)
+        if capacity < layout.chunk_bytes:
+            raise ConfigError(
+                f"config key 'host_capacity_gb': value {self.config.host_capacity_gb!r} cannot hold one chunk "
+                f"of {layout.chunk_bytes} bytes (chunk_size={layout.chunk_size}); expected >= {layout.chunk_bytes / 1e9:.6f}"
+            )
+        pin = {"true": True, "false": False, "auto": torch.cuda.is_available()}[self.config.pin_host_memory]
+        self.host = HostTier(capacity, layout.chunk_bytes, pin_memory=pin)
+        self.mover: BlockMover = mover or TorchBlockMover()
+        self._lock = threading.RLock()
+        self._views: list[torch.Tensor] = []
+        self._pool: torch.Tensor | None = None
+        self._streams: tuple[Any, Any] | None = None
+        self._inflight: deque[tuple[int, Any, Callable[[], None]]] = deque()
+        self._tokens = itertools.count(1)
+        self._stats = EngineStats()
+
+    # ---- pool registration ------------------------------------------------------------------
+    @classmethod
+    def for_pool(cls, pool: torch.Tensor, tokens_per_block: int, config: DepotConfig | None = None, **ns: Any) -> CacheEngine:
+        """Build an engine whose layout and namespace are read from a TensorRT-LLM pool tensor."""
+        config = config or load_config()
+        layout = PoolLayout.from_pool(pool, tokens_per_block, config.chunk_size)
+        namespace = Namespace(
+            model_id=ns.pop("model_id", config.model_id),
+            kv_dtype=layout.dtype_name,
+            geometry=layout.geometry,
+            chunk_size=layout.chunk_size,
+            cache_salt=ns.pop("cache_salt", config.cache_salt),
+            **ns,
+        )
+        engine = cls(layout, config, namespace=namespace)
+        engine.register_pool(pool)
+        return engine
+
+    def register_pool(self, pool: torch.Tensor) -> None:
+        """(Re)attach the engine's pool, e.g. after a model reload. Geometry must not change."""
+        layout = PoolLayout.from_pool(pool, self.layout.tokens_per_block, self.layout.chunk_size)
+        if layout.geometry != self.layout.geometry or layout.dtype != self.layout.dtype:
+            raise LayoutError(
+                f"pool geometry {layout.geometry}/{layout.dtype} differs from the engine's {self.layout.geometry}/{self.layout.dtype}"
+            )
+        with self._lock:
+            self.wait_all()
+            self.layout = layout
+            self._pool = pool
+            self._views = [pool.view(torch.uint8).reshape(layout.num_blocks, -1)]
+            if pool.is_cuda:
+                self._streams = (torch.cuda.Stream(pool.device), torch.cuda.Stream(pool.device))
+            else:
+                self._streams = None
+
+    # ---- keys and lookup --------------------------------------------------------------------
+    def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
+        return self.hasher.chunk_keys(tokens)
+
+    def lookup(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        keys: Sequence[ChunkKey] | None = None,
+        skip_tokens: int = 0,
+        lease: Any = None,
+    ) -> int:
+        """End (in tokens from 0) of the run of cached chunks starting at ``skip_tokens``' chunk.
+
+        With ``lease``, the counted chunks are pinned until ``release(lease)`` or the
+        configured lease timeout.
+        """
+        keys = self._keys(tokens, keys)
+        first = skip_tokens // self.layout.chunk_size
+        with self._lock:
+            self._poll_locked()
+            found = self.host.lookup(keys[first:], lease, self.config.lease_timeout_s)
+            self._stats.lookups += 1
+            self._stats.hits += found
+            self._stats.misses += first + found < len(keys)
+        return (first + found) * self.layout.chunk_size
+
+    def release(self, lease: Any) -> None:
+        with self._lock:
+            self.host.release(lease)
+
+    # ---- store ------------------------------------------------------------------------------
+    def store(
+        self,
+        tokens: Sequence[int] | None,
+        block_ids: Sequence[int],
+        *,
+        keys: Sequence[ChunkKey] | None = None,
+        stream: Any = None,
+    ) -> StoreHandle:
+        """Copy every full, not yet cached chunk of ``tokens`` out of ``pool[block_ids]``."""
+        started = time.perf_counter()
+        keys = self._keys(tokens, keys)
+        num_tokens = len(tokens) if tokens is not None else len(keys) * self.layout.chunk_size
+        self._check_blocks(num_tokens, block_ids)
+        chunks = self.layout.full_chunks(num_tokens, len(block_ids))
+        bpc = self.layout.blocks_per_chunk
+        with self._lock:
+            self._poll_locked()
+            placed = []
+            for c in range(chunks):
+                slot = self.host.reserve(keys[c])
+                if slot is not None:
+                    placed.append((keys[c], slot, [block_ids[p] for p in self.layout.chunk_blocks(c)]))
+            self._stats.dropped_stores = self.host.stats().dropped
+        if not placed:
+            return StoreHandle(self, 0, None)
+
+        def copy() -> None:
+            for _key, slot, ids in placed:
+                self.mover.gather(self._views, ids, slot)
+
+        def commit() -> None:
+            for key, _slot, _ids in placed:
+                self.host.commit(key, True)
+
+        token = self._run(copy, commit, stream, store=True)
+        with self._lock:
+            self._stats.stored_chunks += len(placed)
+            self._stats.bytes_stored += len(placed) * bpc * self.layout.bytes_per_block
+            self._stats.store_seconds += time.perf_counter() - started
+        return StoreHandle(self, len(placed), token)
+
+    # ---- retrieve ---------------------------------------------------------------------------
+    def retrieve(
+        self,
+        tokens: Sequence[int] | None,
+        block_ids: Sequence[int],
+        *,
+        keys: Sequence[ChunkKey] | None = None,
+        skip_blocks: int = 0,
+        num_blocks: int | None = None,
+        lease: Any = None,
+        stream: Any = None,
+    ) -> int:
+        """Load cached blocks ``[skip_blocks, skip_blocks+num_blocks)`` of the request into the pool.
+
+        Returns the end, in tokens from 0, of what is then valid (``skip_blocks * B`` if nothing
+        was loaded). Loads stop at the first chunk not cached; the lease taken by ``lookup``
+        guarantees the chunks it counted are still there.
+        """
+        started = time.perf_counter()
+        keys = self._keys(tokens, keys)
+        B, bpc = self.layout.tokens_per_block, self.layout.blocks_per_chunk
+        num_tokens = len(tokens) if tokens is not None else len(keys) * self.layout.chunk_size
+        self._check_blocks(num_tokens, block_ids)
+        end_block = min(len(keys) * bpc, len(block_ids))
+        if num_blocks is not None:
+            if num_blocks < 0 or skip_blocks < 0:
+                raise LayoutError(f"skip_blocks={skip_blocks} and num_blocks={num_blocks} must be >= 0")
+            end_block = min(end_block, skip_blocks + num_blocks)
+        if end_block <= skip_blocks:
+            return skip_blocks * B
+        pin = ("load", next(self._tokens))
+        plan: list[tuple[torch.Tensor, list[int], int]] = []
+        with self._lock:
+            self._poll_locked()
+            for c in range(skip_blocks // bpc, -(-end_block // bpc)):
+                key = keys[c]
+                if not self.host.contains(key):
+                    break
+                self.host.pin(pin, [key])
+                positions = [p for p in self.layout.chunk_blocks(c) if skip_blocks <= p < end_block]
+                plan.append((self.host.slot(key), [block_ids[p] for p in positions], positions[0] - c * bpc))
+            if lease is not None:
+                self.host.release(lease)
+        if not plan:
+            self.release(pin)
+            return skip_blocks * B
+        loaded_blocks = sum(len(ids) for _, ids, _ in plan)
+
+        def copy() -> None:
+            for slot, ids, first in plan:
+                self.mover.scatter(slot, self._views, ids, first)
+
+        self._run(copy, lambda: self.host.release(pin), stream, store=False)
+        with self._lock:
+            self._stats.loaded_chunks += len(plan)
+            self._stats.bytes_loaded += loaded_blocks * self.layout.bytes_per_block
+            self._stats.load_seconds += time.perf_counter() - started
+        return (skip_blocks + loaded_blocks) * B
+
+    # ---- in-flight transfers ----------------------------------------------------------------
+    def _run(self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any, *, store: bool) -> int | None:
+        """Run ``copy`` now (CPU) or enqueue it on a side stream ordered after ``stream`` (CUDA)."""
+        if self._streams is None:
+            copy()
+            with self._lock:
+                on_done()
+            return None
+        side = self._streams[0 if store else 1]
+        caller = stream if stream is not None else torch.cuda.current_stream(side.device)
+        side.wait_stream(caller)
+        with torch.cuda.stream(side):
+            copy()
+            event = torch.cuda.Event()
+            event.record(side)
+        if not store:
+            caller.wait_event(event)  # the forward pass reads what the load wrote
+        with self._lock:
+            token = next(self._tokens)
+            self._inflight.append((token, event, on_done))
+        return token
+
+    def _poll_locked(self) -> None:
+        while self._inflight and self._inflight[0][1].query():
+            _token, _event, on_done = self._inflight.popleft()
+            on_done()
+
+    def _is_complete(self, token: int) -> bool:
+        with self._lock:
+            self._poll_locked()
+            return not any(t == token for t, _, _ in self._inflight)
+
+    def _wait_for(self, token: int) -> None:
+        while True:
+            with self._lock:
+                pending = next((e for t, e, _ in self._inflight if t == token), None)
+            if pending is None:
+                return
+            pending.synchronize()
+            with self._lock:
+                self._poll_locked()
+
+    def poll(self) -> None:
+        """Complete transfers whose copies have finished (commit stores, unpin loads)."""
+        with self._lock:
+            self._poll_locked()
+
+    def wait_all(self) -> None:
+        """Block until every transfer enqueued so far has completed."""
+        with self._lock:
+            while self._inflight:
+                self._inflight[0][1].synchronize()
+                self._poll_locked()
+
+    # ---- checks and stats ----------------------------------------------------------------------
+    def _keys(self, tokens: Sequence[int] | None, keys: Sequence[ChunkKey] | None) -> Sequence[ChunkKey]:
+        if keys is not None:
+            if tokens is not None and len(keys) < len(tokens) // self.layout.chunk_size:
+                raise LayoutError(f"{len(keys)} keys given for {len(tokens)} tokens")
+            return keys
+        if tokens is None:
+            raise LayoutError("either tokens or keys is required")
+        return self.hasher.chunk_keys(tokens)
+
+    def _check_blocks(self, num_tokens: int, block_ids: Sequence[int]) -> None:
+        if self._pool is None:
+            raise LayoutError("no KV pool registered: call register_pool first")
+        needed = -(-num_tokens // self.layout.tokens_per_block)
+        if len(block_ids) < needed:
+            raise LayoutError(
+                f"{len(block_ids)} block ids cannot hold {num_tokens} tokens "
+                f"({self.layout.tokens_per_block} per block: {needed} needed)"
+            )
+        self.layout.check_block_ids(block_ids)
+        if len(set(block_ids)) != len(block_ids):
+            raise LayoutError("block ids of one request must be distinct")
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            self._poll_locked()
+            host = self.host.stats()
+            s = self._stats
+            s.evictions, s.dropped_stores = host.evictions, host.dropped
+            s.live_leases, s.pinned_chunks = self.host.live_leases, self.host.pinned_chunks
+            s.inflight_transfers = len(self._inflight)
+            s.host_chunks, s.host_capacity_chunks = host.chunks, self.host.num_slots
+            return EngineStats(**vars(s))
+
+    def close(self) -> None:
+        self.wait_all()

@@ -1,0 +1,57 @@
+"""The storage contract.
+
+Two kinds of tier:
+
+* the **host tier** (``host.HostTier``): a fixed arena of chunk slots in (pinned) host memory,
+  the only tier blocks are copied to and from the engine's pool. Two-phase writes
+  (``reserve`` -> copy -> ``commit``), leases on reads.
+* **byte tiers** (disk, Redis, …) behind ``Tier``: whole chunks as self-describing byte
+  objects, filled from and promoted into the host tier in the background.
+
+``Tier`` primitives (keys are 16-byte ``ChunkKey``s; tiers never see tokens or engines):
+    contains(key) -> bool        cheap presence check; False when unavailable
+    get(key) -> bytes | None     verified payload, or None on a miss, a corrupt object or an outage
+    put(key, payload) -> bool    store (evicting as needed); False if it could not
+    delete(key) -> bool
+    stats() -> TierStats
+Failures are values, never exceptions: a tier that is down answers misses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvdepot.keys import ChunkKey
+
+
+@dataclass
+class TierStats:
+    """Counters every tier keeps; ``dataclasses.asdict`` makes them a stats row."""
+
+    name: str
+    capacity_bytes: int = 0
+    used_bytes: int = 0
+    chunks: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    dropped: int = 0  # writes that could not be placed (everything pinned, tier down, queue full)
+    corrupt: int = 0  # objects that failed verification and were removed
+
+
+class Tier(Protocol):
+    """A byte tier below host memory."""
+
+    name: str
+
+    def contains(self, key: ChunkKey) -> bool: ...
+
+    def get(self, key: ChunkKey) -> bytes | None: ...
+
+    def put(self, key: ChunkKey, payload: bytes) -> bool: ...
+
+    def delete(self, key: ChunkKey) -> bool: ...
+
+    def stats(self) -> TierStats: ...

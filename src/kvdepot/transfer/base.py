@@ -1,0 +1,64 @@
+"""The transfer contract: copy whole blocks between a pool and a contiguous host buffer.
+
+A pool is presented as *block views*: a list of 2-D ``uint8`` tensors ``[num_blocks, seg_bytes]``
+such that block ``b``'s bytes are ``views[0][b] ‖ views[1][b] ‖ …``. TensorRT-LLM's cross-layer
+pool is a single view (``pool[b]`` is contiguous across layers); per-layer engines give one
+view per layer and K/V. A host chunk buffer holding ``n`` blocks is laid out view-major:
+``[view 0: n × seg_0][view 1: n × seg_1]…``, so each view's part is one contiguous region.
+
+Primitives (all enqueue on the *current* CUDA stream for CUDA pools; synchronous on CPU):
+    gather(views, block_ids, dst, first)    pool blocks -> host buffer positions first.. (a store)
+    scatter(src, views, block_ids, first)   host buffer positions first.. -> pool blocks (a load)
+``first`` lets a load start inside a chunk (blocks the engine already holds are skipped).
+Postconditions: exactly the listed blocks are read or written, in list order; no other byte
+of the pool is touched. Callers validate block ids before calling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Protocol
+
+import torch
+
+
+class BlockMover(Protocol):
+    """Copies whole blocks by id; implementations differ in how (per run, gather kernel, …)."""
+
+    def gather(
+        self, views: Sequence[torch.Tensor], block_ids: Sequence[int], dst: torch.Tensor, first: int = 0
+    ) -> None:
+        """Copy ``pool[block_ids]`` into block positions ``first..`` of host buffer ``dst``."""
+        ...
+
+    def scatter(
+        self, src: torch.Tensor, views: Sequence[torch.Tensor], block_ids: Sequence[int], first: int = 0
+    ) -> None:
+        """Copy block positions ``first..`` of host buffer ``src`` into ``pool[block_ids]``."""
+        ...
+
+
+def view_regions(views: Sequence[torch.Tensor], buf: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Pair each pool view with its ``[n, seg_bytes]`` region of a view-major host buffer."""
+    n = buf.numel() // sum(v.shape[1] for v in views)
+    offset = 0
+    for view in views:
+        seg = view.shape[1]
+        yield view, buf[offset : offset + n * seg].view(n, seg)
+        offset += n * seg
+
+
+def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split block ids into runs of consecutive ids: ``(position, first_id, length)``.
+
+    One copy per run instead of one per block: consecutive blocks are one contiguous span of
+    the pool, and large copies are what DMA engines run fastest.
+    """
+    runs: list[tuple[int, int, int]] = []
+    for pos, bid in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == bid:
+            p, first, length = runs[-1]
+            runs[-1] = (p, first, length + 1)
+        else:
+            runs.append((pos, bid, 1))
+    return runs
