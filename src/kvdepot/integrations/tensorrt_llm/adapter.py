@@ -1,0 +1,254 @@
+"""TensorRT-LLM KV connector, in-process mode: kvdepot's engine lives in the TensorRT-LLM process.
+
+    KvCacheConnectorConfig(connector_module="kvdepot.integrations.tensorrt_llm.adapter",
+                           connector_scheduler_class="KvDepotConnectorScheduler",
+                           connector_worker_class="KvDepotConnectorWorker")
+
+Scheduler (rank 0)                               Worker (every rank)
+  get_num_new_matched_tokens -> engine.lookup      register_kv_caches -> engine singleton
+  build_connector_meta -> KvDepotMetadata          start_load_kv -> engine.retrieve (load stream)
+  request_finished -> True while saves run         wait_for_save -> engine.store (store stream)
+                                                   get_finished -> requests whose saves completed
+Blocks move whole (all layers at once), so the per-layer hooks have nothing to do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdepot.engine import CacheEngine, StoreHandle
+from kvdepot.integrations.tensorrt_llm.api import (
+    KvCacheConnectorScheduler,
+    KvCacheConnectorWorker,
+    SchedulerOutput,
+)
+from kvdepot.integrations.tensorrt_llm.metadata import KvDepotMetadata, RequestMeta
+from kvdepot.integrations.tensorrt_llm.utils import (
+    current_engine,
+    get_or_create_engine,
+    tokens_per_block,
+)
+
+logger = logging.getLogger("kvdepot")
+
+
+@dataclass
+class _SchedRequest:
+    """What the scheduler knows of one live request."""
+
+    prompt_len: int
+    tokens: list[int]
+    keys: list[bytes]
+    block_ids: list[int] = field(default_factory=list)
+    sent_keys: int = 0
+    sent_blocks: int = 0
+    load: tuple[int, int] | None = None  # (skip_blocks, num_blocks) not yet sent to the workers
+    saved_upto: int = 0  # chunks the workers were told to save
+    known: bool = False  # the workers hold state for it
+
+
+class KvDepotConnectorScheduler(KvCacheConnectorScheduler):
+    """Decides, per request, which blocks kvdepot loads and which chunks it saves."""
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        self._block = tokens_per_block(llm_args)
+        self._tp_size = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
+        self._engine: CacheEngine | None = None
+        self._requests: dict[int, _SchedRequest] = {}
+        self._finished: list[int] = []
+        self._warned_tp = False
+
+    def _resolve(self) -> CacheEngine | None:
+        if self._engine is None:
+            self._engine = current_engine()
+        return self._engine
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = int(request.request_id)
+        engine = self._resolve()
+        tokens = list(request.get_tokens(0))
+        if engine is None or self._refuse_tp() or num_computed_tokens % self._block:
+            logger.info("lookup req=%s trt_matched=%d cached=0 new_matched=0", rid, num_computed_tokens)
+            return 0, False
+        if rid in self._requests:
+            logger.warning("kvdepot: request id %s seen again before it finished; its old state is dropped", rid)
+            engine.release(rid)
+        state = _SchedRequest(getattr(request, "prompt_len", len(tokens)), tokens, engine.chunk_keys(tokens))
+        self._requests[rid] = state
+        cached = engine.lookup(keys=state.keys, skip_tokens=num_computed_tokens, lease=rid)
+        # Leave at least one prompt token to compute (TensorRT-LLM checks prepopulated < prompt_len).
+        limit = (state.prompt_len - 1) // self._block * self._block
+        matched = max(0, min(cached, limit) - num_computed_tokens) // self._block * self._block
+        if matched:
+            state.load = (num_computed_tokens // self._block, matched // self._block)
+        else:
+            engine.release(rid)
+        logger.info(
+            "lookup req=%s trt_matched=%d cached=%d new_matched=%d", rid, num_computed_tokens, cached, matched
+        )
+        return matched, False
+
+    def _refuse_tp(self) -> bool:
+        """In-process mode cannot see other ranks' caches, so under TP it never claims a hit."""
+        if self._tp_size > 1 and not self._warned_tp:
+            logger.warning("kvdepot: tensor_parallel_size>1 needs the multi-process adapter; in-process hits are off")
+            self._warned_tp = True
+        return self._tp_size > 1
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        state = self._requests.get(int(request.request_id))
+        if state is not None:
+            state.block_ids = list(block_ids)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvDepotMetadata:
+        meta = KvDepotMetadata(finished=self._finished)
+        self._finished = []
+        engine = self._resolve()
+        if engine is None:
+            return meta
+        for data in scheduler_output.new_requests:
+            state = self._requests.get(data.request_id)
+            if state is None:  # never looked up (engine was not ready then): saves only
+                tokens = list(data.new_tokens)
+                state = _SchedRequest(len(tokens), tokens, engine.chunk_keys(tokens))
+                self._requests[data.request_id] = state
+            if len(data.new_block_ids) > len(state.block_ids):
+                state.block_ids = list(data.new_block_ids)
+            loading = state.load[1] * self._block if state.load else 0
+            self._plan(engine, data.request_id, state, data.computed_position + loading + data.num_scheduled_tokens, meta)
+        for data in scheduler_output.cached_requests:
+            state = self._requests.get(data.request_id)
+            if state is None:
+                continue
+            state.tokens.extend(data.new_tokens)
+            state.block_ids.extend(data.new_block_ids)
+            self._plan(engine, data.request_id, state, data.computed_position + data.num_scheduled_tokens, meta)
+        return meta
+
+    def _plan(self, engine: CacheEngine, rid: int, state: _SchedRequest, computed: int, meta: KvDepotMetadata) -> None:
+        """Emit this step's load and the chunks that will be fully computed after this step."""
+        limit = computed if engine.config.save_decode_cache else min(computed, state.prompt_len)
+        limit = min(limit, len(state.tokens), len(state.block_ids) * self._block)
+        upto = limit // engine.layout.chunk_size
+        if upto > len(state.keys):
+            state.keys = engine.hasher.extend(state.keys, state.tokens)
+        load = state.load
+        if load is None and upto <= state.saved_upto:
+            return
+        item = RequestMeta(
+            rid,
+            new_keys=state.keys[state.sent_keys :],
+            new_block_ids=state.block_ids[state.sent_blocks :],
+            load_skip_blocks=load[0] if load else 0,
+            load_num_blocks=load[1] if load else 0,
+            save_upto_chunks=max(upto, state.saved_upto),
+        )
+        state.sent_keys, state.sent_blocks = len(state.keys), len(state.block_ids)
+        state.load, state.saved_upto, state.known = None, item.save_upto_chunks, True
+        meta.requests.append(item)
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """True while the request's saves may still be copying: keep its blocks until get_finished."""
+        rid = int(request.request_id)
+        state = self._requests.pop(rid, None)
+        engine = self._resolve()
+        if engine is not None:
+            engine.release(rid)
+        if state is None or not state.known:
+            return False
+        if state.saved_upto:
+            return True
+        self._finished.append(rid)
+        return False
+
+
+@dataclass
+class _WorkerRequest:
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # chunks already handed to engine.store
+    handles: list[StoreHandle] = field(default_factory=list)
+
+
+class KvDepotConnectorWorker(KvCacheConnectorWorker):
+    """Moves whole blocks between TensorRT-LLM's pool and kvdepot, off the forward stream."""
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        self._engine: CacheEngine | None = None
+        self._requests: dict[int, _WorkerRequest] = {}
+        self._finishing: set[int] = set()
+
+    def register_kv_caches(self, kv_cache_tensor: Any) -> None:
+        self._engine = get_or_create_engine(self._llm_args, kv_cache_tensor)
+        self._requests.clear()
+
+    def _meta(self) -> KvDepotMetadata | None:
+        meta = self._metadata
+        return meta if isinstance(meta, KvDepotMetadata) and self._engine is not None else None
+
+    def start_load_kv(self, stream: Any) -> None:
+        meta = self._meta()
+        if meta is None:
+            return
+        for rid in meta.finished:
+            self._requests.pop(rid, None)
+        for item in meta.requests:
+            state = self._requests.setdefault(item.request_id, _WorkerRequest())
+            state.keys.extend(item.new_keys)
+            state.block_ids.extend(item.new_block_ids)
+            if item.load_num_blocks:
+                self._load(item, state, stream)
+
+    def _load(self, item: RequestMeta, state: _WorkerRequest, stream: Any) -> None:
+        assert self._engine is not None
+        B = self._engine.layout.tokens_per_block
+        want = (item.load_skip_blocks + item.load_num_blocks) * B
+        got = self._engine.retrieve(
+            None, state.block_ids, keys=state.keys, skip_blocks=item.load_skip_blocks,
+            num_blocks=item.load_num_blocks, lease=item.request_id, stream=stream,
+        )
+        if got != want:  # only possible if a lease expired before its load: never silent
+            logger.error("kvdepot: req=%s loaded %d of %d tokens; lease expired before the load", item.request_id, got, want)
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        """Whole blocks (every layer) are loaded in start_load_kv; nothing per layer."""
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        """Whole blocks are saved after the forward pass in wait_for_save; nothing per layer."""
+
+    def wait_for_save(self, stream: Any) -> None:
+        """Enqueue this step's saves behind the forward pass; does not wait for the copies."""
+        meta = self._meta()
+        if meta is None:
+            return
+        assert self._engine is not None
+        bpc = self._engine.layout.blocks_per_chunk
+        for item in meta.requests:
+            state = self._requests.get(item.request_id)
+            if state is None or item.save_upto_chunks <= state.saved:
+                continue
+            first, upto = state.saved, item.save_upto_chunks
+            handle = self._engine.store(
+                None, state.block_ids[first * bpc : upto * bpc], keys=state.keys[first:upto], stream=stream
+            )
+            state.saved = upto
+            state.handles.append(handle)
+
+    def get_finished(
+        self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """Report each finished request once, when every store it issued has completed."""
+        self._finishing.update(finished_gen_req_ids)
+        done = []
+        for rid in list(self._finishing):
+            state = self._requests.get(rid)
+            if state is None or all(h.done() for h in state.handles):
+                done.append(rid)
+                self._finishing.discard(rid)
+                self._requests.pop(rid, None)
+        # Loads are synchronous in start_load_kv, so a started load is already finished.
+        return done, list(started_loading_req_ids)

@@ -1,0 +1,31 @@
+"""What the scheduler (rank 0) tells every worker each step. Plain, picklable dataclasses.
+
+TensorRT-LLM broadcasts the scheduler's metadata with ``mpi_broadcast``, so it must pickle and
+stay small: requests carry only *deltas* (chunk keys and block ids the workers have not seen yet),
+and each worker keeps the rest. Keys, not tokens, travel: the scheduler hashes a request once and
+a 128K-token prompt is 512 keys of 16 bytes instead of half a megabyte of token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMeta:
+    """One request's instructions for this step."""
+
+    request_id: int
+    new_keys: list[bytes] = field(default_factory=list)  # appended to the worker's chunk keys
+    new_block_ids: list[int] = field(default_factory=list)  # appended to the worker's block list
+    load_skip_blocks: int = 0  # load blocks [skip, skip + num) of the request ...
+    load_num_blocks: int = 0  # ... (0: nothing to load this step)
+    save_upto_chunks: int = 0  # the request's first N chunks are computed: save those not saved yet
+
+
+@dataclass
+class KvDepotMetadata:
+    """The step's metadata: per-request specs plus requests whose worker state can go."""
+
+    requests: list[RequestMeta] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
