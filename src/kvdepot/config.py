@@ -117,7 +117,7 @@ def _check_value(f: dataclasses.Field, value: Any) -> None:
     if f.metadata["choices"] and value not in f.metadata["choices"]:
         raise _fail(f.name, value, f)
     minimum = f.metadata["minimum"]
-    if minimum is not None and value < minimum:
+    if minimum is not None and not value >= minimum:  # NOTE: written so that NaN fails too
         raise _fail(f.name, value, f)
 
 
@@ -149,6 +149,8 @@ def _from_file(path: str) -> dict[str, Any]:
         data = yaml.safe_load(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+        raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: cannot be read ({exc})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: not valid YAML ({exc})") from None
     if data is None:
@@ -163,7 +165,9 @@ def _from_file(path: str) -> dict[str, Any]:
             continue
         target = LMCACHE_ALIASES.get(name, name)
         if target not in _FIELDS:
-            raise ConfigError(f"config file {path!r}: unknown key {name!r}; allowed keys: {', '.join(sorted(_FIELDS))}")
+            raise ConfigError(
+                f"config file {path!r}: unknown key {name!r} (value {value!r}); allowed keys: {', '.join(sorted(_FIELDS))}"
+            )
         out[target] = _normalize_alias(name, value)
     return out
 
@@ -186,6 +190,13 @@ def resolve_config(
     if file_path:
         for name, value in _from_file(file_path).items():
             values[name], sources[name] = value, f"file {file_path}"
+    known_vars = {CONFIG_FILE_ENV} | {ENV_PREFIX + name.upper() for name in _FIELDS}
+    for var, raw in env.items():
+        if var.startswith(ENV_PREFIX) and var not in known_vars:
+            raise ConfigError(
+                f"unknown config variable {var!r} (value {raw!r}); allowed: {CONFIG_FILE_ENV} and "
+                + ", ".join(ENV_PREFIX + n.upper() for n in sorted(_FIELDS))
+            )
     for name, f in _FIELDS.items():
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None:
@@ -193,7 +204,7 @@ def resolve_config(
     for name, value in (overrides or {}).items():
         target = LMCACHE_ALIASES.get(name, name)
         if target not in _FIELDS:
-            raise ConfigError(f"unknown config key {name!r}; allowed keys: {', '.join(sorted(_FIELDS))}")
+            raise ConfigError(f"unknown config key {name!r} (value {value!r}); allowed keys: {', '.join(sorted(_FIELDS))}")
         values[target], sources[target] = _normalize_alias(name, value), "argument"
     return DepotConfig(**values), sources
 

@@ -164,6 +164,8 @@ class CacheEngine:
         configured lease timeout.
         """
         keys = self._keys(tokens, keys)
+        if skip_tokens < 0:
+            raise LayoutError(f"skip_tokens={skip_tokens} must be >= 0")
         first = skip_tokens // self.layout.chunk_size
         with self._lock:
             self._poll_locked()
@@ -242,12 +244,16 @@ class CacheEngine:
         B, bpc = self.layout.tokens_per_block, self.layout.blocks_per_chunk
         num_tokens = len(tokens) if tokens is not None else len(keys) * self.layout.chunk_size
         self._check_blocks(num_tokens, block_ids)
+        # NOTE: skip_blocks is checked even without num_blocks: a negative one would index the
+        # block list from its end and overwrite blocks the engine holds.
+        if skip_blocks < 0 or (num_blocks is not None and num_blocks < 0):
+            raise LayoutError(f"skip_blocks={skip_blocks} and num_blocks={num_blocks} must be >= 0")
         end_block = min(len(keys) * bpc, len(block_ids))
         if num_blocks is not None:
-            if num_blocks < 0 or skip_blocks < 0:
-                raise LayoutError(f"skip_blocks={skip_blocks} and num_blocks={num_blocks} must be >= 0")
             end_block = min(end_block, skip_blocks + num_blocks)
         if end_block <= skip_blocks:
+            if lease is not None:
+                self.release(lease)  # nothing to load: the lookup's pins must not outlive the call
             return skip_blocks * B
         pin = ("load", next(self._tokens))
         plan: list[tuple[torch.Tensor, list[int], int]] = []
@@ -358,6 +364,7 @@ class CacheEngine:
     def stats(self) -> EngineStats:
         with self._lock:
             self._poll_locked()
+            self.host.expire_leases()  # report leases past their timeout as gone, not live
             host = self.host.stats()
             s = self._stats
             s.evictions, s.dropped_stores = host.evictions, host.dropped

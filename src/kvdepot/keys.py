@@ -65,6 +65,8 @@ class Namespace:
 def token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     """Tokens as little-endian uint32 bytes; a token outside [0, 2**32) is an error, never wrapped."""
     if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":  # NOTE: astype would truncate 1.5 to 1; a list raises
+            raise LayoutError(f"token ids must be integers in [0, 2**32), got an array of {tokens.dtype}")
         if tokens.size and (tokens.min() < 0 or tokens.max() > _U32_MAX):
             raise LayoutError("token ids must lie in [0, 2**32)")
         return tokens.astype("<u4", copy=False).tobytes()
@@ -104,7 +106,8 @@ class ChunkHasher:
         if len(keys) >= total:
             return list(keys[:total])
         start = len(keys)
-        raw = memoryview(token_bytes(tokens[start * size : total * size]))
+        # Convert once, slice the bytes: slicing a long Python list first would copy it.
+        raw = memoryview(token_bytes(tokens))[start * size * 4 : total * size * 4]
         out = list(keys)
         prev = keys[-1] if keys else self.seed
         step = size * 4

@@ -87,6 +87,7 @@ class HostTier:
         return True
 
     def _evict_one(self) -> bool:
+        self.expire_leases()  # NOTE: pins of timed-out leases must not keep a full arena full
         victim = None
         for key in self._policy.candidates():
             if key in self._ready and not self._pins.get(key):

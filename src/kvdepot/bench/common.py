@@ -1,0 +1,70 @@
+"""Small helpers shared by the benchmarks: timing, the memcpy ceiling, and table printing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` with the device synchronized around each run."""
+    for _ in range(warmup):
+        fn()
+        sync(device)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def memcpy_ceiling(nbytes: int, device: torch.device, reps: int) -> tuple[float, float]:
+    """GB/s of one plain copy of ``nbytes`` host->device and device->host (pinned when CUDA).
+
+    On a CPU-only machine both directions are a host memcpy of the same size.
+    """
+    pin = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    host.random_(0, 255)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h2d = median_seconds(lambda: dev.copy_(host, non_blocking=True), device, reps)
+    d2h = median_seconds(lambda: host.copy_(dev, non_blocking=True), device, reps)
+    return nbytes / h2d / 1e9, nbytes / d2h / 1e9
+
+
+def print_table(title: str, rows: Sequence[dict[str, Any]]) -> None:
+    """A plain fixed-width table (what the README and closing notes quote)."""
+    if not rows:
+        return
+    cols = list(rows[0])
+    cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    print(title)
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return "" if value is None else str(value)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"

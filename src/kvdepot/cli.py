@@ -1,0 +1,87 @@
+"""The ``kvdepot`` command: demo, config, bench, server, stats.
+
+Nothing here allocates device memory until a subcommand runs; errors kvdepot raises on
+purpose (bad config, bad input) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from kvdepot.config import config_keys, resolve_config
+from kvdepot.errors import KVDepotError
+
+BENCHES = {
+    "transfer": ("kvdepot.bench.transfer", "store/retrieve GB/s of whole blocks vs pinned memcpy, same run"),
+    "lookup": ("kvdepot.bench.lookup", "time to key and look up a long prompt (CPU)"),
+}
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    config, sources = resolve_config()
+    fields = config_keys()
+    width = max(len(f.name) for f in fields)
+    vwidth = max(len(repr(getattr(config, f.name))) for f in fields)
+    for f in fields:
+        value = repr(getattr(config, f.name))
+        print(f"{f.name.ljust(width)}  {value.ljust(vwidth)}  [{sources[f.name]}]  {f.metadata['doc']}" if args.verbose
+              else f"{f.name.ljust(width)}  {value.ljust(vwidth)}  [{sources[f.name]}]")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    module = importlib.import_module(BENCHES[args.bench][0])
+    module.run(args)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from kvdepot.demo import run
+
+    return run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvdepot",
+        description="kvdepot — a KV-cache layer for LLM inference engines (TensorRT-LLM first). "
+        "Configuration comes from defaults < $KVDEPOT_CONFIG_FILE (YAML) < KVDEPOT_<KEY> env vars.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="run a long prompt twice through the reference runtime: miss, then a kvdepot hit")
+    from kvdepot.demo import add_arguments as demo_args
+
+    demo_args(demo)
+    demo.set_defaults(func=_cmd_demo)
+
+    cfg = sub.add_parser("config", help="print the effective config and where each value came from")
+    cfg.add_argument("-v", "--verbose", action="store_true", help="also print each key's documentation")
+    cfg.set_defaults(func=_cmd_config)
+
+    bench = sub.add_parser("bench", help="benchmarks that print measured figures next to a ceiling measured in the same run")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for name, (module_name, text) in BENCHES.items():
+        p = benches.add_parser(name, help=text)
+        importlib.import_module(module_name).add_arguments(p)
+        p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KVDepotError as exc:
+        print(f"kvdepot: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""The executor's side of the KV connector API: TensorRT-LLM's ``KvCacheConnectorManager``, one rank.
+
+Every rule a connector can observe lives here, in one place (reference §2–§3, §10):
+
+* the scheduler and worker classes come from ``connector_module`` via ``importlib`` (or are given
+  directly) and are constructed concurrently in a 2-thread pool, each with the full ``llm_args``;
+* ``register_forward_pass_callable()`` is asked once; ``register_kv_caches(pool)`` runs once;
+* ``get_num_new_matched_tokens`` gets a binding-only request view; ``(0, True)`` and leaving no
+  prompt token to compute raise like TensorRT-LLM's checks;
+* ``SchedulerOutput`` is built from cumulative per-request token/block lists (first appearance:
+  whole prompt and all blocks; then deltas), subtracting this step's synchronous connector matches
+  from ``computed_position`` of new requests;
+* ids enter ``get_finished`` exactly once; ids coming back must have been handed over before.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvdepot.errors import ConfigError
+from kvdepot.integrations.tensorrt_llm.api import (
+    KvCacheConnectorScheduler,
+    KvCacheConnectorWorker,
+    RequestData,
+    SchedulerOutput,
+)
+from kvdepot.runtime.request import CppRequestView, LlmRequest, LlmRequestState
+
+ConnectorClasses = tuple[type[KvCacheConnectorScheduler], type[KvCacheConnectorWorker]]
+
+
+def resolve_connector_classes(llm_args: Any) -> ConnectorClasses | None:
+    """Import ``kv_connector_config.connector_module`` and fetch both classes by name."""
+    cfg = getattr(llm_args, "kv_connector_config", None)
+    if cfg is None:
+        return None
+    names = (cfg.connector_module, cfg.connector_scheduler_class, cfg.connector_worker_class)
+    if not all(names):
+        raise ConfigError(f"kv_connector_config needs module, scheduler and worker class, got {names}")
+    module = importlib.import_module(cfg.connector_module)
+    return getattr(module, cfg.connector_scheduler_class), getattr(module, cfg.connector_worker_class)
+
+
+class ConnectorManager:
+    """Drives one connector (scheduler + worker) on behalf of the executor loop."""
+
+    def __init__(self, scheduler: KvCacheConnectorScheduler, worker: KvCacheConnectorWorker):
+        self.scheduler = scheduler
+        self.worker = worker
+        self.forward_pass_callable: Callable[[], Any] | None = (
+            worker.register_forward_pass_callable() or None
+        )
+        self._registered = False
+        self._seen: dict[int, tuple[int, int]] = {}  # request id -> (tokens, blocks) reported
+        self._external_loads: dict[int, int] = {}  # this step's synchronous connector matches
+        self._new_saving: list[int] = []
+        self._new_loading: list[int] = []
+        self._pending_saving: set[int] = set()
+        self._pending_loading: set[int] = set()
+
+    @classmethod
+    def create(cls, classes: ConnectorClasses, llm_args: Any) -> ConnectorManager:
+        """Construct worker and scheduler concurrently: either may wait on the other in __init__."""
+        scheduler_cls, worker_cls = classes
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            worker_f = pool.submit(worker_cls, llm_args)
+            scheduler_f = pool.submit(scheduler_cls, llm_args)
+            worker, scheduler = worker_f.result(), scheduler_f.result()
+        return cls(scheduler, worker)
+
+    def register_kv_caches(self, pool: Any) -> None:
+        if self._registered:
+            raise RuntimeError("register_kv_caches must be called exactly once")
+        self._registered = True
+        self.worker.register_kv_caches(pool)
+
+    # -- admission -------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, req: LlmRequest, num_computed_tokens: int) -> tuple[int, bool]:
+        """Ask the scheduler how many tokens past the device match it can load; validate the answer."""
+        num, is_async = self.scheduler.get_num_new_matched_tokens(CppRequestView(req), num_computed_tokens)
+        num, is_async = int(num), bool(is_async)
+        if num == 0 and is_async:
+            raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
+        if num < 0:
+            raise RuntimeError(f"connector matched a negative number of tokens ({num})")
+        if num_computed_tokens + num >= req.prompt_len:
+            # TensorRT-LLM: TLLM_CHECK(prepopulatedPromptLen < promptLen) in setPrepopulatedPromptLen.
+            raise RuntimeError(
+                f"[TensorRT-LLM][ERROR] Assertion failed: prepopulatedPromptLen < promptLen "
+                f"({num_computed_tokens} + {num} >= {req.prompt_len}) for request {req.request_id}"
+            )
+        if is_async:
+            self._new_loading.append(req.request_id)
+            self._pending_loading.add(req.request_id)
+        elif num:
+            self._external_loads[req.request_id] = num
+        return num, is_async
+
+    def update_state_after_alloc(self, req: LlmRequest, block_ids: Sequence[int]) -> None:
+        self.scheduler.update_state_after_alloc(req, list(block_ids))
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def build_scheduler_output(
+        self, batch: Sequence[LlmRequest], block_ids: Callable[[int], list[int]]
+    ) -> SchedulerOutput:
+        """Per §2.1: cumulative token/block lists per request, reported as deltas."""
+        out = SchedulerOutput(new_requests=[], cached_requests=[])
+        for req in batch:
+            tokens, blocks = req.get_tokens(0), block_ids(req.request_id)
+            is_new = req.request_id not in self._seen
+            seen_tokens, seen_blocks = self._seen.get(req.request_id, (0, 0))
+            if req.state == LlmRequestState.CONTEXT_INIT:
+                computed = req.context_current_position
+                scheduled = min(req.context_remaining_length, req.context_chunk_size)
+            else:
+                computed, scheduled = len(tokens) - 1, 1
+            if is_new:
+                # "Don't include the connector matched tokens in the initial scheduler output."
+                computed -= self._external_loads.get(req.request_id, 0)
+            data = RequestData(req.request_id, tokens[seen_tokens:], blocks[seen_blocks:],
+                               computed, scheduled)
+            (out.new_requests if is_new else out.cached_requests).append(data)
+            self._seen[req.request_id] = (len(tokens), len(blocks))
+        self._external_loads.clear()
+        return out
+
+    def start_batch(self, out: SchedulerOutput, stream: Any) -> None:
+        """``handle_metadata`` then ``start_load_kv``: the metadata is simply replaced each step."""
+        meta = self.scheduler.build_connector_meta(out)
+        self.worker.bind_connector_meta(meta)
+        self.worker.start_load_kv(stream)
+
+    def layer_hooks(self, stream: Any) -> tuple[Callable[[int], None], Callable[[int], None]]:
+        return (lambda i: self.worker.wait_for_layer_load(i, stream),
+                lambda i: self.worker.save_kv_layer(i, stream))
+
+    def end_forward(self, stream: Any) -> None:
+        """The forward-pass callable (if any), then ``wait_for_save``: the end of every forward."""
+        if self.forward_pass_callable is not None:
+            self.forward_pass_callable()
+        self.worker.wait_for_save(stream)
+
+    # -- completion ------------------------------------------------------------------------------
+
+    def request_finished(self, req: LlmRequest, block_ids: Sequence[int]) -> bool:
+        """True: the connector saves asynchronously, so the caller keeps the blocks until told."""
+        saving = bool(self.scheduler.request_finished(req, list(block_ids)))
+        if saving:
+            self._new_saving.append(req.request_id)
+            self._pending_saving.add(req.request_id)
+        return saving
+
+    def get_finished(self) -> tuple[list[int], list[int]]:
+        """Hand new ids to the worker once; return the saves and loads it reports complete."""
+        new_saving, new_loading = self._new_saving, self._new_loading
+        self._new_saving, self._new_loading = [], []
+        saved, loaded = self.worker.get_finished(new_saving, new_loading)
+        saved, loaded = list(saved or []), list(loaded or [])
+        for ids, pending, what in ((saved, self._pending_saving, "saving"),
+                                   (loaded, self._pending_loading, "loading")):
+            unknown = [i for i in ids if i not in pending]
+            if unknown:
+                raise RuntimeError(f"connector worker reported {what} ids {unknown} it was not given")
+            pending.difference_update(ids)
+        return saved, loaded
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending_saving or self._pending_loading)
+
+    def forget(self, request_id: int) -> None:
+        """The request's blocks are freed; drop its bookkeeping."""
+        self._seen.pop(request_id, None)
+        self._external_loads.pop(request_id, None)

@@ -1,0 +1,332 @@
+"""A small paged inference engine that treats a KV connector the way TensorRT-LLM's PyTorch executor does.
+
+One ``step()`` is one ``_executor_loop`` iteration (non-overlap, eager, reference §3.2):
+
+1. schedule: running decodes (1 token each), running prefills (next chunk), then waiting requests
+   in FCFS order while blocks allow (GUARANTEED_NO_EVICT: the whole prompt + max_new_tokens must
+   fit). A new request allocates its whole prompt, matches the device prefix, asks the connector
+   (``get_num_new_matched_tokens`` → ``update_state_after_alloc``); an async match parks it;
+2. ``build_connector_meta(SchedulerOutput)`` → ``bind_connector_meta`` → ``start_load_kv``;
+3. the forward (``wait_for_layer_load(i)`` / layer i / ``save_kv_layer(i)``), the forward-pass
+   callable, ``wait_for_save``; greedy sampling; finished requests → ``request_finished``;
+4. ``get_finished(new_saving_ids, new_loading_ids)``: frees saved requests, unparks loaded ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvdepot.errors import ConfigError
+from kvdepot.runtime.block_manager import BlockManager
+from kvdepot.runtime.connector import ConnectorClasses, ConnectorManager, resolve_connector_classes
+from kvdepot.runtime.llm_args import CapacitySchedulerPolicy, KvCacheConnectorConfig, TorchLlmArgs
+from kvdepot.runtime.model import PRESETS, LlamaModel, ModelConfig, Segment
+from kvdepot.runtime.request import LlmRequest, LlmRequestState, Result
+from kvdepot.runtime.weights import load_checkpoint, random_weights
+
+CPU_DEFAULT_MAX_TOKENS = 16384  # pool size on CPU when kv_cache_config.max_tokens is unset
+State = LlmRequestState
+
+
+def build_model(model: ModelConfig | str | Path, device: torch.device, seed: int) -> tuple[LlamaModel, str]:
+    """A model from a config (seeded random weights), a preset name, or a checkpoint directory."""
+    if isinstance(model, ModelConfig):
+        return LlamaModel(model, random_weights(model, seed, device)), "custom"
+    if isinstance(model, str) and model in PRESETS:
+        config = ModelConfig.preset(model)
+        return LlamaModel(config, random_weights(config, seed, device)), model
+    if Path(model).is_dir():
+        config, weights = load_checkpoint(model, device)
+        return LlamaModel(config, weights), str(model)
+    raise ConfigError(f"model {model!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory")
+
+
+def _check_args(args: TorchLlmArgs, with_connector: bool) -> None:
+    """Reject what TensorRT-LLM rejects (§3.1, §10.7) and what one rank cannot do."""
+    if args.pipeline_parallel_size != 1 or args.tensor_parallel_size != 1:
+        raise NotImplementedError("the reference runtime runs one rank: TP and PP must be 1")
+    if args.max_beam_width != 1:
+        raise NotImplementedError("beam search is not supported (max_beam_width must be 1)")
+    tpb = args.kv_cache_config.tokens_per_block
+    if tpb <= 0 or tpb & (tpb - 1):
+        raise ConfigError(f"kv_cache_config.tokens_per_block={tpb} must be a power of two")
+    if not with_connector:
+        return
+    if args.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
+        raise NotImplementedError("KV connector is only supported with guaranteed no evict scheduler policy.")
+    if args.speculative_config is not None:
+        raise NotImplementedError("KV connector is not supported with speculative decoding.")
+    if not args.kv_cache_config.enable_block_reuse:
+        raise ConfigError("kv_cache_config.enable_block_reuse=False: TensorRT-LLM never consults the connector then")
+
+
+class Engine:
+    """Generate greedily with a Llama model over a TensorRT-LLM-shaped KV pool, driving a connector."""
+
+    def __init__(
+        self,
+        model: ModelConfig | str | Path | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        llm_args: TorchLlmArgs | None = None,
+        connector: ConnectorClasses | None = None,
+        seed: int = 0,
+    ):
+        args = llm_args or TorchLlmArgs()
+        classes = connector or resolve_connector_classes(args)
+        _check_args(args, classes is not None)
+        if classes is not None and args.kv_connector_config is None:
+            # Connectors read kv_connector_config (e.g. server_url); name the classes we were given.
+            args = replace(args, kv_connector_config=KvCacheConnectorConfig(
+                classes[0].__module__, classes[0].__name__, classes[1].__name__))
+        self.device = torch.device(device)
+        self.model, name = build_model(model if model is not None else args.model, self.device, seed)
+        self.llm_args = args if args.model else replace(args, model=name)  # never mutate the caller's
+        kv = self.llm_args.kv_cache_config
+        self.tokens_per_block = kv.tokens_per_block
+        self.num_blocks = self._num_blocks()
+        self.pool = torch.zeros(self.model.pool_shape(self.num_blocks, self.tokens_per_block),
+                                dtype=self.model.config.dtype, device=self.device)
+        self.blocks = BlockManager(self.num_blocks, self.tokens_per_block, kv.enable_block_reuse)
+        self.connector = ConnectorManager.create(classes, self.llm_args) if classes else None
+        if self.connector is not None:
+            self.connector.register_kv_caches(self.pool)
+        self.async_timeout_s = 120.0
+        self._next_id = 1
+        self._waiting: deque[LlmRequest] = deque()
+        self._active: list[LlmRequest] = []  # admitted: prefill, decode or parked for a load
+        self._saving: dict[int, LlmRequest] = {}
+        self._reserved: dict[int, int] = {}  # blocks each running request may still need
+        self._keep_all_logits: dict[int, bool] = {}
+        self.results: dict[int, Result] = {}
+
+    def _num_blocks(self) -> int:
+        kv, c = self.llm_args.kv_cache_config, self.model.config
+        caps = [kv.max_tokens // kv.tokens_per_block] if kv.max_tokens else []
+        if self.device.type == "cuda" and kv.free_gpu_memory_fraction:
+            per_block = 2 * c.num_layers * c.kv_block_elems_per_token * kv.tokens_per_block
+            per_block *= torch.empty((), dtype=c.dtype).element_size()
+            caps.append(int(torch.cuda.mem_get_info(self.device)[0] * kv.free_gpu_memory_fraction) // per_block)
+        elif not caps:
+            caps.append(CPU_DEFAULT_MAX_TOKENS // kv.tokens_per_block)
+        if min(caps) <= 0:
+            raise ConfigError(f"KV pool would have {min(caps)} blocks; raise max_tokens")
+        return min(caps)
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, keep_all_logits: bool = True,
+               end_id: int | None = None) -> int:
+        """Queue one request; returns its id. It runs on the next ``step()`` calls."""
+        prompt = [int(t) for t in prompt]
+        if not prompt or max_new_tokens < 1:
+            raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
+        if any(t < 0 or t >= self.model.config.vocab_size for t in prompt):
+            raise ValueError(f"prompt token outside [0, {self.model.config.vocab_size})")
+        if self.blocks.blocks_for(len(prompt) + max_new_tokens - 1) > self.num_blocks:
+            raise ValueError(f"prompt {len(prompt)} + {max_new_tokens} new tokens exceed the pool")
+        if not self.llm_args.enable_chunked_prefill and len(prompt) > self.llm_args.max_num_tokens:
+            raise ValueError("prompt longer than max_num_tokens and chunked prefill is off")
+        req = LlmRequest(self._next_id, prompt, max_new_tokens, end_id=end_id,
+                         submit_time=time.perf_counter())
+        self._next_id += 1
+        self._keep_all_logits[req.request_id] = keep_all_logits
+        self._waiting.append(req)
+        return req.request_id
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                 keep_all_logits: bool = True) -> list[Result]:
+        """Submit every prompt at once (they batch together) and run until all are done."""
+        counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        ids = [self.submit(p, n, keep_all_logits) for p, n in zip(prompts, counts, strict=True)]
+        self.run_until_done()
+        return [self.results[i] for i in ids]
+
+    def generate_sequential(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                            keep_all_logits: bool = True) -> list[Result]:
+        """One request at a time; each waits for the previous one's async saves to complete."""
+        return [self.generate([p], max_new_tokens, keep_all_logits)[0] for p in prompts]
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._active or self._saving)
+
+    def run_until_done(self) -> None:
+        """Step until nothing waits, runs, loads or saves; polls gently while only the connector works."""
+        idle_since: float | None = None
+        while self.has_work():
+            if self.step():
+                idle_since = None
+                continue
+            idle_since = idle_since or time.perf_counter()
+            if time.perf_counter() - idle_since > self.async_timeout_s:
+                raise TimeoutError(f"connector did not finish saves/loads in {self.async_timeout_s}s")
+            time.sleep(0.0005)
+
+    def step(self) -> bool:
+        """One executor iteration; returns whether a forward ran."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        batch, parked_now = self._schedule()
+        conn = self.connector
+        if conn is not None and (batch or parked_now):
+            out = conn.build_scheduler_output([r for r, _ in batch], self.blocks.block_ids)
+            conn.start_batch(out, stream)
+        if batch:
+            self._forward(batch, stream)
+        if conn is not None:
+            saved, loaded = conn.get_finished()
+            for rid in saved:
+                self._release(self._saving.pop(rid))
+            for req in self._active:
+                if req.request_id in loaded:
+                    req.state = State.CONTEXT_INIT
+        return bool(batch)
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    def _chunk(self, req: LlmRequest, budget: int) -> int:
+        """Next prefill chunk: the rest of the prompt, or a block-aligned piece that fits ``budget``."""
+        pos, remaining = req.context_current_position, req.context_remaining_length
+        if remaining <= budget:
+            return remaining
+        if not self.llm_args.enable_chunked_prefill:
+            return 0
+        end = (pos + budget) // self.tokens_per_block * self.tokens_per_block
+        return max(0, end - pos)
+
+    def _schedule(self) -> tuple[list[tuple[LlmRequest, int]], list[LlmRequest]]:
+        args, batch, parked = self.llm_args, [], []
+        budget = args.max_num_tokens
+        for req in self._active:
+            if req.state == State.GENERATION_IN_PROGRESS and len(batch) < args.max_batch_size and budget:
+                self._grow(req)
+                batch.append((req, 1))
+                budget -= 1
+        for req in self._active:
+            if req.state == State.CONTEXT_INIT and len(batch) < args.max_batch_size:
+                n = self._chunk(req, budget)
+                if n:
+                    req.context_chunk_size = n
+                    batch.append((req, n))
+                    budget -= n
+        while self._waiting and len(batch) < args.max_batch_size and self._admissible(self._waiting[0], budget):
+            req = self._waiting.popleft()
+            self._admit(req)
+            self._active.append(req)
+            if req.state == State.DISAGG_GENERATION_TRANS_IN_PROGRESS:
+                parked.append(req)
+                continue
+            req.context_chunk_size = self._chunk(req, budget)
+            batch.append((req, req.context_chunk_size))
+            budget -= req.context_chunk_size
+        return batch, parked
+
+    def _admissible(self, req: LlmRequest, budget: int) -> bool:
+        """GUARANTEED_NO_EVICT: admit only if prompt + max_new_tokens fits beside every reservation."""
+        if self._chunk(req, budget) == 0:
+            return False
+        bm = self.blocks
+        total = bm.blocks_for(req.prompt_len + req.max_new_tokens - 1)
+        _, _, in_use = bm.match(req.prompt)
+        return total - in_use <= bm.num_available() - sum(self._reserved.values())
+
+    def _admit(self, req: LlmRequest) -> None:
+        """V1 ``addSequence``: whole-prompt allocation, device match, then the connector's say."""
+        alloc = self.blocks.allocate(req.request_id, req.prompt)
+        req.num_device_reused_tokens = alloc.num_reused_tokens
+        total = self.blocks.blocks_for(req.prompt_len + req.max_new_tokens - 1)
+        self._reserved[req.request_id] = total - len(alloc.block_ids)
+        matched, is_async = 0, False
+        if self.connector is not None:
+            matched, is_async = self.connector.get_num_new_matched_tokens(req, alloc.num_reused_tokens)
+        req.num_connector_matched_tokens = matched
+        req.prepopulated_prompt_len = req.context_current_position = alloc.num_reused_tokens + matched
+        req.connector_async_load = is_async
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(req, alloc.block_ids)
+        if is_async:
+            req.state = State.DISAGG_GENERATION_TRANS_IN_PROGRESS
+
+    def _grow(self, req: LlmRequest) -> None:
+        """Decode ``add_token``: room for the token computed this step (position len(tokens)-1)."""
+        added = self.blocks.grow(req.request_id, len(req.tokens))
+        self._reserved[req.request_id] -= len(added)
+
+    # -- forward and completion ------------------------------------------------------------------
+
+    def _forward(self, batch: list[tuple[LlmRequest, int]], stream: Any) -> None:
+        segments = []
+        for req, n in batch:
+            start = req.context_current_position if req.state == State.CONTEXT_INIT else len(req.tokens) - 1
+            segments.append(Segment(req.tokens[start : start + n], start, self.blocks.block_ids(req.request_id)))
+        pre, post = self.connector.layer_hooks(stream) if self.connector else (None, None)
+        logits = self.model.forward(segments, self.pool, pre, post)
+        if self.connector is not None:
+            self.connector.end_forward(stream)
+        sampling = [i for i, (req, n) in enumerate(batch)
+                    if req.state != State.CONTEXT_INIT or n == req.context_remaining_length]
+        if not sampling:
+            for req, n in batch:
+                self._advance(req, n)
+            return
+        stacked = torch.stack([logits[i] for i in sampling])
+        next_ids = stacked.argmax(-1).tolist()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        host = stacked.cpu()
+        sampled = dict(zip(sampling, zip(next_ids, host, strict=True), strict=True))
+        for i, (req, n) in enumerate(batch):
+            self._advance(req, n)
+            if i in sampled:
+                self._append_token(req, *sampled[i], now)
+
+    def _advance(self, req: LlmRequest, n: int) -> None:
+        """Record that ``n`` more tokens have K/V in the pool and offer their full blocks for reuse."""
+        if req.state == State.CONTEXT_INIT:
+            req.context_current_position += n
+            computed = req.context_current_position
+        else:
+            computed = len(req.tokens)
+        self.blocks.commit(req.request_id, req.tokens, computed)
+
+    def _append_token(self, req: LlmRequest, token: int, logits: torch.Tensor, now: float) -> None:
+        req.tokens.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            req.state = State.GENERATION_IN_PROGRESS
+        if self._keep_all_logits[req.request_id] or not req.logits:
+            req.logits.append(logits)
+        if len(req.generated) >= req.max_new_tokens or token == req.end_id:
+            self._finish(req, now)
+
+    def _finish(self, req: LlmRequest, now: float) -> None:
+        req.state, req.finish_time = State.GENERATION_COMPLETE, now
+        self._active.remove(req)
+        self.results[req.request_id] = Result(
+            req.request_id, req.prompt_len, req.generated, req.logits,
+            ttft_s=req.first_token_time - req.submit_time,  # type: ignore[operator]
+            latency_s=now - req.submit_time,
+            num_device_reused_tokens=req.num_device_reused_tokens,
+            num_connector_matched_tokens=req.num_connector_matched_tokens,
+            connector_async_load=req.connector_async_load,
+        )
+        block_ids = self.blocks.block_ids(req.request_id)
+        if self.connector is not None and self.connector.request_finished(req, block_ids):
+            req.state = State.DISAGG_CONTEXT_TRANS_IN_PROGRESS
+            self._saving[req.request_id] = req
+        else:
+            self._release(req)
+
+    def _release(self, req: LlmRequest) -> None:
+        self.blocks.free(req.request_id)
+        self._reserved.pop(req.request_id, None)
+        self._keep_all_logits.pop(req.request_id, None)
+        if self.connector is not None:
+            self.connector.forget(req.request_id)
