@@ -15,6 +15,7 @@ import torch
 from kvdepot.bench.common import device_name, median_seconds, memcpy_ceiling, print_table, sync
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
+from kvdepot.transfer import MOVERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,9 +27,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=None, help="blocks moved per operation (default: 256 on CUDA, 32 on CPU)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--mover", choices=sorted(MOVERS) + ["all"], default="all", help="transfer path(s) to measure")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    names = sorted(MOVERS) if args.mover == "all" else [args.mover]
+    rows = [row for name in names for row in _run_one(args, name)]
+    print_table(f"kvdepot bench transfer — {device_name(torch.device(args.device))}", rows)
+    return rows
+
+
+def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
     device = torch.device(args.device)
     moved = args.blocks or (256 if device.type == "cuda" else 32)
     elems = args.kv_heads * args.tokens_per_block * args.head_dim
@@ -41,6 +50,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     reps = args.reps
     config = load_config(chunk_size=args.chunk_size, host_capacity_gb=nbytes * (reps + 3) / 1e9)
     engine = CacheEngine.for_pool(pool, args.tokens_per_block, config)
+    engine.mover = MOVERS[mover]()
     rng = random.Random(0)
     counter = iter(range(1 << 30))
 
@@ -67,14 +77,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     load_s = median_seconds(retrieve, device, reps)
     engine.wait_all()
     h2d, d2h = memcpy_ceiling(nbytes, device, reps)
-    rows = [
-        {"op": "store (pool->host)", "bytes": nbytes, "GB/s": nbytes / store_s / 1e9, "memcpy GB/s": d2h, "ratio": nbytes / store_s / 1e9 / d2h},
-        {"op": "retrieve (host->pool)", "bytes": nbytes, "GB/s": nbytes / load_s / 1e9, "memcpy GB/s": h2d, "ratio": nbytes / load_s / 1e9 / h2d},
+    shape = f"L{args.layers} H{args.kv_heads} D{args.head_dim} tpb{args.tokens_per_block}"
+    common = {"mover": mover, "shape": shape, "block MiB": block_bytes / 2**20, "blocks": moved, "pinned": engine.host.pin_memory}
+    return [
+        {**common, "op": "store", "GB/s": nbytes / store_s / 1e9, "memcpy GB/s": d2h, "ratio": nbytes / store_s / 1e9 / d2h},
+        {**common, "op": "retrieve", "GB/s": nbytes / load_s / 1e9, "memcpy GB/s": h2d, "ratio": nbytes / load_s / 1e9 / h2d},
     ]
-    print_table(
-        f"kvdepot bench transfer — {device_name(device)}, {moved} random blocks of {block_bytes / 2**20:.2f} MiB "
-        f"(layers={args.layers} kv_heads={args.kv_heads} head_dim={args.head_dim} tpb={args.tokens_per_block} bf16), "
-        f"pinned={engine.host.pin_memory}",
-        rows,
-    )
-    return rows
