@@ -8,7 +8,7 @@ objects a connector receives.
 
 from kvdepot.runtime.block_manager import Allocation, BlockManager, OutOfBlocks
 from kvdepot.runtime.connector import ConnectorManager, resolve_connector_classes
-from kvdepot.runtime.executor import Engine, build_model
+from kvdepot.runtime.executor import Engine
 from kvdepot.runtime.llm_args import (
     CapacitySchedulerPolicy,
     KvCacheConfig,
@@ -18,7 +18,13 @@ from kvdepot.runtime.llm_args import (
 )
 from kvdepot.runtime.model import PRESETS, LlamaModel, ModelConfig, RopeScaling, Segment
 from kvdepot.runtime.request import CppRequestView, LlmRequest, LlmRequestState, Result
-from kvdepot.runtime.weights import LlamaWeights, config_from_hf, load_checkpoint, random_weights
+from kvdepot.runtime.weights import (
+    LlamaWeights,
+    build_model,
+    config_from_hf,
+    load_checkpoint,
+    random_weights,
+)
 
 __all__ = [
     "PRESETS", "Allocation", "BlockManager", "CapacitySchedulerPolicy", "ConnectorManager",

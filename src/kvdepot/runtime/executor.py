@@ -26,45 +26,13 @@ import torch
 from kvdepot.errors import ConfigError
 from kvdepot.runtime.block_manager import BlockManager
 from kvdepot.runtime.connector import ConnectorClasses, ConnectorManager, resolve_connector_classes
-from kvdepot.runtime.llm_args import CapacitySchedulerPolicy, KvCacheConnectorConfig, TorchLlmArgs
-from kvdepot.runtime.model import PRESETS, LlamaModel, ModelConfig, Segment
+from kvdepot.runtime.llm_args import KvCacheConnectorConfig, TorchLlmArgs, validate_llm_args
+from kvdepot.runtime.model import ModelConfig, Segment
 from kvdepot.runtime.request import LlmRequest, LlmRequestState, Result
-from kvdepot.runtime.weights import load_checkpoint, random_weights
+from kvdepot.runtime.weights import build_model
 
 CPU_DEFAULT_MAX_TOKENS = 16384  # pool size on CPU when kv_cache_config.max_tokens is unset
 State = LlmRequestState
-
-
-def build_model(model: ModelConfig | str | Path, device: torch.device, seed: int) -> tuple[LlamaModel, str]:
-    """A model from a config (seeded random weights), a preset name, or a checkpoint directory."""
-    if isinstance(model, ModelConfig):
-        return LlamaModel(model, random_weights(model, seed, device)), "custom"
-    if isinstance(model, str) and model in PRESETS:
-        config = ModelConfig.preset(model)
-        return LlamaModel(config, random_weights(config, seed, device)), model
-    if Path(model).is_dir():
-        config, weights = load_checkpoint(model, device)
-        return LlamaModel(config, weights), str(model)
-    raise ConfigError(f"model {model!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory")
-
-
-def _check_args(args: TorchLlmArgs, with_connector: bool) -> None:
-    """Reject what TensorRT-LLM rejects (§3.1, §10.7) and what one rank cannot do."""
-    if args.pipeline_parallel_size != 1 or args.tensor_parallel_size != 1:
-        raise NotImplementedError("the reference runtime runs one rank: TP and PP must be 1")
-    if args.max_beam_width != 1:
-        raise NotImplementedError("beam search is not supported (max_beam_width must be 1)")
-    tpb = args.kv_cache_config.tokens_per_block
-    if tpb <= 0 or tpb & (tpb - 1):
-        raise ConfigError(f"kv_cache_config.tokens_per_block={tpb} must be a power of two")
-    if not with_connector:
-        return
-    if args.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
-        raise NotImplementedError("KV connector is only supported with guaranteed no evict scheduler policy.")
-    if args.speculative_config is not None:
-        raise NotImplementedError("KV connector is not supported with speculative decoding.")
-    if not args.kv_cache_config.enable_block_reuse:
-        raise ConfigError("kv_cache_config.enable_block_reuse=False: TensorRT-LLM never consults the connector then")
 
 
 class Engine:
@@ -81,7 +49,7 @@ class Engine:
     ):
         args = llm_args or TorchLlmArgs()
         classes = connector or resolve_connector_classes(args)
-        _check_args(args, classes is not None)
+        validate_llm_args(args, classes is not None)
         if classes is not None and args.kv_connector_config is None:
             # Connectors read kv_connector_config (e.g. server_url); name the classes we were given.
             args = replace(args, kv_connector_config=KvCacheConnectorConfig(
@@ -143,11 +111,14 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  keep_all_logits: bool = True) -> list[Result]:
-        """Submit every prompt at once (they batch together) and run until all are done."""
+        """Submit every prompt at once (they batch together) and run until all are done.
+
+        Results are returned (and dropped from ``self.results``) in prompt order.
+        """
         counts = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
         ids = [self.submit(p, n, keep_all_logits) for p, n in zip(prompts, counts, strict=True)]
         self.run_until_done()
-        return [self.results[i] for i in ids]
+        return [self.results.pop(i) for i in ids]
 
     def generate_sequential(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                             keep_all_logits: bool = True) -> list[Result]:
@@ -175,7 +146,9 @@ class Engine:
         batch, parked_now = self._schedule()
         conn = self.connector
         if conn is not None and (batch or parked_now):
-            out = conn.build_scheduler_output([r for r, _ in batch], self.blocks.block_ids)
+            # Context requests first, then generation ones, like TensorRT-LLM's scheduled batch.
+            ordered = sorted((r for r, _ in batch), key=lambda r: r.state != State.CONTEXT_INIT)
+            out = conn.build_scheduler_output(ordered, self.blocks.block_ids)
             conn.start_batch(out, stream)
         if batch:
             self._forward(batch, stream)

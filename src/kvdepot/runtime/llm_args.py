@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kvdepot.errors import ConfigError
+
 
 class CapacitySchedulerPolicy(str, Enum):
     """TensorRT-LLM's capacity policies; connectors are only supported with GUARANTEED_NO_EVICT."""
@@ -94,3 +96,22 @@ class TorchLlmArgs:
 
 
 LlmArgs = TorchLlmArgs
+
+
+def validate_llm_args(args: TorchLlmArgs, with_connector: bool) -> None:
+    """Reject what TensorRT-LLM rejects (§3.1, §10.7) and what one rank cannot do."""
+    if args.pipeline_parallel_size != 1 or args.tensor_parallel_size != 1:
+        raise NotImplementedError("the reference runtime runs one rank: TP and PP must be 1")
+    if args.max_beam_width != 1:
+        raise NotImplementedError("beam search is not supported (max_beam_width must be 1)")
+    tpb = args.kv_cache_config.tokens_per_block
+    if tpb <= 0 or tpb & (tpb - 1):
+        raise ConfigError(f"kv_cache_config.tokens_per_block={tpb} must be a power of two")
+    if not with_connector:
+        return
+    if args.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
+        raise NotImplementedError("KV connector is only supported with guaranteed no evict scheduler policy.")
+    if args.speculative_config is not None:
+        raise NotImplementedError("KV connector is not supported with speculative decoding.")
+    if not args.kv_cache_config.enable_block_reuse:
+        raise ConfigError("kv_cache_config.enable_block_reuse=False: TensorRT-LLM never consults the connector then")

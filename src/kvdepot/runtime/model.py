@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvdepot.errors import ConfigError
 
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from kvdepot.runtime.weights import LlamaWeights
 
 LayerHook = Callable[[int], None]
+# NOTE: cuDNN attention is left out: it builds a plan per new sequence length, which costs about a
+# millisecond of CPU per call when every decode step has a new key length.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -220,7 +224,22 @@ class LlamaModel:
         cos, sin = emb.cos().to(c.dtype)[:, None, :], emb.sin().to(c.dtype)[:, None, :]
 
         x = F.embedding(ids, w.embed)
-        for i, lw in enumerate(w.layers):
+        with sdpa_kernel(_SDPA_BACKENDS):
+            x = self._layers(x, plans, pool6, cos, sin, pre_layer, post_layer)
+        if not all_logits:
+            x = x[torch.tensor([p.rows.stop - 1 for p in plans], device=self.device)]
+        x = _rms_norm(x, w.norm, c.rms_norm_eps)
+        logits = F.linear(x, w.lm_head).float()
+        if all_logits:
+            return [logits[p.rows] for p in plans]
+        return list(logits.unbind(0))
+
+    def _layers(self, x: torch.Tensor, plans: list[_SegmentPlan], pool6: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, pre_layer: LayerHook | None,
+                post_layer: LayerHook | None) -> torch.Tensor:
+        """The decoder stack; the hooks bracket each layer's work, as TensorRT-LLM's module hooks do."""
+        c, d, hkv = self.config, self.config.head_dim, self.config.num_kv_heads
+        for i, lw in enumerate(self.weights.layers):
             if pre_layer is not None:
                 pre_layer(i)
             h = _rms_norm(x, lw.input_norm, c.rms_norm_eps)
@@ -235,13 +254,7 @@ class LlamaModel:
             x = x + F.linear(F.silu(F.linear(h, lw.gate_proj)) * F.linear(h, lw.up_proj), lw.down_proj)
             if post_layer is not None:
                 post_layer(i)
-        if not all_logits:
-            x = x[torch.tensor([p.rows.stop - 1 for p in plans], device=self.device)]
-        x = _rms_norm(x, w.norm, c.rms_norm_eps)
-        logits = F.linear(x, w.lm_head).float()
-        if all_logits:
-            return [logits[p.rows] for p in plans]
-        return list(logits.unbind(0))
+        return x
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _SegmentPlan,
                 layer_kv: torch.Tensor) -> torch.Tensor:
@@ -256,8 +269,9 @@ class LlamaModel:
         rep = c.num_heads // hkv
         keys = kv[0].repeat_interleave(rep, dim=0)
         values = kv[1].repeat_interleave(rep, dim=0)
+        # 4-D [1, H, n, D] inputs let SDPA pick its flash/memory-efficient kernels on CUDA.
         out = F.scaled_dot_product_attention(
-            q[plan.rows].transpose(0, 1), keys, values,
+            q[plan.rows].transpose(0, 1).unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
             attn_mask=plan.mask, is_causal=plan.is_causal,
         )
-        return out.transpose(0, 1).reshape(-1, c.num_heads * d)
+        return out[0].transpose(0, 1).reshape(-1, c.num_heads * d)

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from kvdepot.errors import ConfigError
-from kvdepot.runtime.model import ModelConfig, RopeScaling
+from kvdepot.runtime.model import PRESETS, LlamaModel, ModelConfig, RopeScaling
 
 INIT_STD = 0.02  # keeps activations O(1) through the residual stream for any preset
 
@@ -177,3 +177,20 @@ def load_checkpoint(
     else:
         raise ConfigError(f"checkpoint {path} lacks lm_head.weight and does not tie embeddings")
     return config, LlamaWeights(embed, layers, norm, lm_head)
+
+
+def build_model(model: ModelConfig | str | Path, device: torch.device, seed: int) -> tuple[LlamaModel, str]:
+    """A model from a config (seeded random weights), a preset name, or a checkpoint directory.
+
+    Returns the model and a name for ``llm_args.model``. Connectors may key caches on it, so a
+    random model's name carries its seed and device type: different weights, different name.
+    """
+    if isinstance(model, ModelConfig) or (isinstance(model, str) and model in PRESETS):
+        config = model if isinstance(model, ModelConfig) else ModelConfig.preset(model)
+        label = model if isinstance(model, str) else f"custom-{config.num_layers}x{config.hidden_size}"
+        name = f"{label}-random-seed{seed}-{torch.device(device).type}"
+        return LlamaModel(config, random_weights(config, seed, device)), name
+    if Path(model).is_dir():
+        config, weights = load_checkpoint(model, device)
+        return LlamaModel(config, weights), str(model)
+    raise ConfigError(f"model {model!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory")
