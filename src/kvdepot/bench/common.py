@@ -52,10 +52,10 @@ def print_table(title: str, rows: Sequence[dict[str, Any]]) -> None:
     cells = [[_fmt(r.get(c)) for c in cols] for r in rows]
     widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
     print(title)
-    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=False)))
     print("  ".join("-" * w for w in widths))
     for row in cells:
-        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=False)))
 
 
 def _fmt(value: Any) -> str:

@@ -24,31 +24,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    rows = [_measure(args, algo) for algo in ("xxh3_128", "blake3")]
+    print_table(f"kvdepot bench lookup — {args.tokens} tokens, chunk {args.chunk_size}, median of {args.reps}", rows)
+    return rows
+
+
+def _measure(args: argparse.Namespace, algo: str) -> dict:
     cpu = torch.device("cpu")
     chunks = args.tokens // args.chunk_size
     # A tiny pool geometry (one small block per chunk) so every chunk of the prompt fits in memory.
     pool = torch.zeros((chunks + 1, 1, 1, args.chunk_size), dtype=torch.uint8)
-    rows = []
-    for algo in ("xxh3_128", "blake3"):
-        config = load_config(chunk_size=args.chunk_size, host_capacity_gb=(chunks + 1) * args.chunk_size / 1e9, hash_algo=algo)
-        engine = CacheEngine.for_pool(pool, args.chunk_size, config)
-        tokens_np = np.random.default_rng(0).integers(0, 128_000, size=args.tokens, dtype=np.int64)
-        tokens = tokens_np.tolist()
-        keys = engine.chunk_keys(tokens)
-        engine.store(None, list(range(chunks)), keys=keys)
-        key_list = median_seconds(lambda: engine.chunk_keys(tokens), cpu, args.reps)
-        key_np = median_seconds(lambda: engine.chunk_keys(tokens_np), cpu, args.reps)
-        look = median_seconds(lambda: engine.lookup(keys=keys), cpu, args.reps)
-        assert engine.lookup(keys=keys) == chunks * args.chunk_size
-        rows.append({
-            "hash": algo,
-            "tokens": args.tokens,
-            "chunks": chunks,
-            "keys from list ms": key_list * 1e3,
-            "keys from numpy ms": key_np * 1e3,
-            "lookup (all hit) ms": look * 1e3,
-            "total (list) ms": (key_list + look) * 1e3,
-            "total (numpy) ms": (key_np + look) * 1e3,
-        })
-    print_table(f"kvdepot bench lookup — {args.tokens} tokens, chunk {args.chunk_size}, median of {args.reps}", rows)
-    return rows
+    config = load_config(chunk_size=args.chunk_size, host_capacity_gb=(chunks + 1) * args.chunk_size / 1e9, hash_algo=algo)
+    engine = CacheEngine.for_pool(pool, args.chunk_size, config)
+    tokens_np = np.random.default_rng(0).integers(0, 128_000, size=args.tokens, dtype=np.int64)
+    tokens = tokens_np.tolist()
+    keys = engine.chunk_keys(tokens)
+    engine.store(None, list(range(chunks)), keys=keys)
+    key_list = median_seconds(lambda: engine.chunk_keys(tokens), cpu, args.reps)
+    key_np = median_seconds(lambda: engine.chunk_keys(tokens_np), cpu, args.reps)
+    look = median_seconds(lambda: engine.lookup(keys=keys), cpu, args.reps)
+    assert engine.lookup(keys=keys) == chunks * args.chunk_size
+    return {
+        "hash": algo,
+        "tokens": args.tokens,
+        "chunks": chunks,
+        "keys from list ms": key_list * 1e3,
+        "keys from numpy ms": key_np * 1e3,
+        "lookup (all hit) ms": look * 1e3,
+        "total (list) ms": (key_list + look) * 1e3,
+        "total (numpy) ms": (key_np + look) * 1e3,
+    }
