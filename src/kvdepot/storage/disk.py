@@ -1,0 +1,365 @@
+"""The disk tier: one checksummed file per chunk under ``<path>/<namespace hex>/<kk>/<key hex>``.
+
+* **Atomic writes.** An object is written to a hidden temp file in its final directory, fsynced
+  when asked, then ``os.replace``d over the final name: readers see a whole object or none.
+* **Verified reads.** A file whose header or checksum does not match (flipped byte, truncation,
+  another namespace's object, garbage) is a miss; it is deleted and counted in ``corrupt``.
+* **Restart.** The index is rebuilt from file names and sizes (LRU order from mtimes); contents
+  are validated lazily, on the first read. Stray temp files of a crashed writer are removed.
+* **Capacity.** Bytes of committed objects plus writes in flight never exceed ``capacity_bytes``;
+  room is made by evicting least recently used objects (``policy.LRUPolicy``).
+* **O_DIRECT** when the directory's filesystem takes it (probed once with an aligned write), so
+  gigabytes of KV do not churn the page cache; otherwise (tmpfs, non-Linux) buffered I/O.
+
+Thread-safe: an index lock is held for bookkeeping only, never across file I/O.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from contextlib import suppress
+from pathlib import Path
+
+from kvdepot.keys import KEY_BYTES, ChunkKey
+from kvdepot.storage import codec
+from kvdepot.storage.base import TierStats
+from kvdepot.storage.codec import HEADER_BYTES, Payload
+from kvdepot.storage.policy import POLICIES
+
+logger = logging.getLogger("kvdepot")
+
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # module attribute so tests can emulate the aligned path
+ALIGN = 4096  # O_DIRECT offset/length/buffer alignment (a multiple of every logical block size)
+_MAX_IO = 1 << 30  # bytes asked of one read syscall (Linux returns at most ~2 GiB per call)
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
+    """Whether an aligned O_DIRECT write succeeds in ``directory``."""
+    if not O_DIRECT:
+        return False
+    path = os.path.join(directory, f".probe-{uuid.uuid4().hex}.tmp")
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_DIRECT, 0o600)
+        try:
+            os.write(fd, buf)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        buf.close()
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _write_all(fd: int, parts: list[memoryview]) -> None:
+    """writev until every byte is written (Linux moves at most ~2 GiB per call)."""
+    parts = [part for part in parts if part.nbytes]
+    while parts:
+        done = os.writev(fd, parts)
+        while done:
+            if done >= parts[0].nbytes:
+                done -= parts.pop(0).nbytes
+            else:
+                parts[0], done = parts[0][done:], 0
+
+
+def _read_into(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill ``buf`` from ``offset`` until it is full or the file ends; bytes read."""
+    got = 0
+    while got < buf.nbytes:
+        want = min(_MAX_IO, buf.nbytes - got)
+        n = os.preadv(fd, [buf[got : got + want]], offset + got)
+        got += n
+        if n < want:  # end of file (an O_DIRECT read may not resume at an unaligned offset)
+            break
+    return got
+
+
+class DiskTier:
+    """Chunk objects of one namespace in a directory, LRU within ``capacity_bytes``."""
+
+    name = "disk"
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        namespace: bytes,
+        *,
+        o_direct: bool | None = None,
+        fsync: bool = False,
+        policy: str = "lru",
+    ) -> None:
+        """Args:
+        path: the tier's directory (shared by namespaces: each gets its own subdirectory).
+        capacity_bytes: limit on the bytes of this namespace's objects.
+        namespace: the 16-byte ``Namespace.digest`` whose objects this tier serves.
+        o_direct: None or True = use O_DIRECT if the probe succeeds; False = never.
+        fsync: fsync each object and its directory before it counts as stored.
+        """
+        self.namespace = codec.check_namespace(namespace)
+        self.root = Path(path) / namespace.hex()
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.capacity_bytes = int(capacity_bytes)
+        self.fsync = fsync
+        self.o_direct = o_direct is not False and probe_o_direct(self.root)
+        if o_direct and not self.o_direct:
+            logger.info("disk tier %s: O_DIRECT not supported here; using buffered I/O", self.root)
+        self._sizes: dict[ChunkKey, int] = {}
+        self._writing: set[ChunkKey] = set()
+        self._policy = POLICIES[policy]()
+        self._used = 0  # bytes of committed objects
+        self._reserved = 0  # bytes of writes in flight
+        self._lock = threading.Lock()
+        self._local = threading.local()  # per-thread aligned buffer for O_DIRECT
+        self._io_failing = False
+        self._stats = TierStats(name=self.name, capacity_bytes=self.capacity_bytes)
+        self._scan()
+
+    # ---- index ---------------------------------------------------------------------------
+    def _path(self, key: ChunkKey) -> str:
+        name = key.hex()
+        return os.path.join(self.root, name[:2], name)
+
+    def _scan(self) -> None:
+        found: list[tuple[int, ChunkKey, int]] = []
+        for shard in os.scandir(self.root):
+            if shard.name.endswith(".tmp"):  # a probe file left by a crash
+                with suppress(FileNotFoundError):
+                    os.unlink(shard.path)
+            if not (shard.is_dir(follow_symlinks=False) and len(shard.name) == 2):
+                continue
+            for entry in os.scandir(shard.path):
+                if entry.name.endswith(".tmp"):
+                    with suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+                    continue
+                try:
+                    key = bytes.fromhex(entry.name)
+                except ValueError:
+                    continue
+                if len(key) == KEY_BYTES and entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    found.append((st.st_mtime_ns, ChunkKey(key), st.st_size))
+        with self._lock:
+            for _mtime, key, size in sorted(found):
+                self._sizes[key] = size
+                self._used += size
+                self._policy.touch(key)
+            self._make_room_locked(0)
+
+    def _forget_locked(self, key: ChunkKey) -> None:
+        self._used -= self._sizes.pop(key)
+        self._policy.remove(key)
+
+    def _remove_locked(self, key: ChunkKey) -> None:
+        self._forget_locked(key)
+        with suppress(FileNotFoundError):
+            os.unlink(self._path(key))
+
+    def _make_room_locked(self, size: int) -> bool:
+        """Evict LRU objects until ``size`` more bytes fit; decide every victim before deleting."""
+        excess = self._used + self._reserved + size - self.capacity_bytes
+        victims = []
+        for key in self._policy.candidates():
+            if excess <= 0:
+                break
+            victims.append(key)
+            excess -= self._sizes[key]
+        if excess > 0:
+            return False
+        for key in victims:
+            self._remove_locked(key)
+        self._stats.evictions += len(victims)
+        return True
+
+    # ---- Tier ----------------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        with self._lock:
+            return key in self._sizes
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        with self._lock:
+            return [key in self._sizes for key in keys]
+
+    def get(self, key: ChunkKey) -> bytes | None:
+        """The verified payload of ``key``; a corrupt object is deleted and counted."""
+        with self._lock:
+            if key not in self._sizes:
+                self._stats.misses += 1
+                return None
+            self._policy.touch(key)
+        payload, corrupt = self._read(key)
+        with self._lock:
+            if payload is not None:
+                self._stats.hits += 1
+                return payload
+            self._stats.misses += 1
+            if key in self._sizes and key not in self._writing:
+                if corrupt:
+                    self._stats.corrupt += 1
+                    self._remove_locked(key)
+                else:
+                    self._forget_locked(key)  # vanished or unreadable: stop advertising it
+        return None
+
+    def put(self, key: ChunkKey, payload: Payload) -> bool:
+        """Store ``payload`` (kept if ``key`` is present already); False if it could not."""
+        data = memoryview(payload).cast("B")
+        size = HEADER_BYTES + data.nbytes
+        with self._lock:
+            if key in self._sizes or key in self._writing:
+                if key in self._sizes:
+                    self._policy.touch(key)
+                return True
+            if size > self.capacity_bytes or not self._make_room_locked(size):
+                self._stats.dropped += 1
+                return False
+            self._reserved += size
+            self._writing.add(key)
+        ok = self._write(key, data)
+        with self._lock:
+            self._reserved -= size
+            self._writing.discard(key)
+            if ok:
+                self._sizes[key] = size
+                self._used += size
+                self._policy.touch(key)
+                self._stats.puts += 1
+            else:
+                self._stats.dropped += 1
+        return ok
+
+    def delete(self, key: ChunkKey) -> bool:
+        with self._lock:
+            if key not in self._sizes:
+                return False
+            self._remove_locked(key)
+            return True
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            self._stats.chunks = len(self._sizes)
+            self._stats.used_bytes = self._used
+            return TierStats(**vars(self._stats))
+
+    def close(self) -> None:
+        """Nothing stays open between calls; drop this thread's aligned buffer."""
+        with suppress(AttributeError):
+            del self._local.buf
+
+    # ---- file I/O ----------------------------------------------------------------------------
+    def _buffer(self, size: int) -> mmap.mmap:
+        """This thread's page-aligned buffer of at least ``size`` bytes (reused across calls)."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._local.buf = mmap.mmap(-1, _align(size))
+        return buf
+
+    def _write(self, key: ChunkKey, data: memoryview) -> bool:
+        path = self._path(key)
+        tmp = os.path.join(os.path.dirname(path), f".{key.hex()}.{uuid.uuid4().hex[:8]}.tmp")
+        header = codec.encode_header(self.namespace, key, data)
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            try:
+                self._write_file(tmp, header, data, self.o_direct)
+            except OSError as exc:
+                if not (self.o_direct and exc.errno == errno.EINVAL):
+                    raise
+                logger.warning("disk tier %s: O_DIRECT write refused; using buffered I/O", self.root)
+                self.o_direct = False
+                with suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                self._write_file(tmp, header, data, False)
+            os.replace(tmp, path)
+            if self.fsync:
+                dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
+                try:
+                    os.fsync(dir_fd)
+                finally:
+                    os.close(dir_fd)
+        except OSError:
+            with suppress(OSError):
+                os.unlink(tmp)
+            if not self._io_failing:  # log once per run of failures
+                logger.warning("disk tier %s: cannot write %s", self.root, path, exc_info=True)
+            self._io_failing = True
+            return False
+        self._io_failing = False
+        return True
+
+    def _write_file(self, tmp: str, header: bytes, data: memoryview, direct: bool) -> None:
+        total = HEADER_BYTES + data.nbytes
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0)
+        fd = os.open(tmp, flags, 0o600)
+        try:
+            if direct:
+                # NOTE: O_DIRECT needs an aligned buffer and length: one copy into the thread's
+                # buffer, a padded write, then truncation back to the object's exact size.
+                with memoryview(self._buffer(total)) as buf:
+                    buf[:HEADER_BYTES] = header
+                    buf[HEADER_BYTES:total] = data
+                    _write_all(fd, [buf[: _align(total)]])
+                os.ftruncate(fd, total)
+            else:
+                _write_all(fd, [memoryview(header), data])  # one syscall, no joined copy
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _read(self, key: ChunkKey) -> tuple[bytes | None, bool]:
+        """(payload, False) when valid, (None, True) when corrupt, (None, False) when gone."""
+        direct = self.o_direct
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | (O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            return None, False
+        except OSError:
+            logger.warning("disk tier %s: cannot open %s", self.root, key.hex(), exc_info=True)
+            return None, False
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES:
+                return None, True
+            if direct:
+                return self._read_direct(fd, key, size)
+            header = codec.read_header(os.pread(fd, HEADER_BYTES, 0), self.namespace, key)
+            if header is None or size != HEADER_BYTES + header.length:
+                return None, True
+            payload = os.pread(fd, header.length, HEADER_BYTES)  # the returned bytes: no copy
+            if len(payload) < header.length:  # only objects over ~2 GiB take more than one read
+                rest = bytearray(header.length - len(payload))
+                got = _read_into(fd, memoryview(rest), HEADER_BYTES + len(payload))
+                payload += rest[:got]
+            return (payload, False) if codec.verify(header, payload) else (None, True)
+        except OSError:
+            logger.warning("disk tier %s: cannot read %s", self.root, key.hex(), exc_info=True)
+            return None, False
+        finally:
+            os.close(fd)
+
+    def _read_direct(self, fd: int, key: ChunkKey, size: int) -> tuple[bytes | None, bool]:
+        with memoryview(self._buffer(size)) as buf:
+            got = _read_into(fd, buf[: _align(size)], 0)
+            header = codec.read_header(buf[:HEADER_BYTES], self.namespace, key)
+            if header is None or size != HEADER_BYTES + header.length or got < size:
+                return None, True
+            payload = buf[HEADER_BYTES:size]
+            if not codec.verify(header, payload):
+                return None, True
+            return bytes(payload), False  # the one copy out of the aligned buffer

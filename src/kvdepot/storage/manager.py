@@ -1,0 +1,371 @@
+"""The tier manager: the byte tiers below host memory (disk, then Redis), composed.
+
+Primitives (keys are ``ChunkKey``s; payloads are a chunk's exact bytes):
+    find(keys) -> int                  consecutive chunks from keys[0] held by some lower tier
+    promote(keys, sink) -> Future[int] background: read each chunk from the highest tier holding
+                                       it, hand it to ``sink(key, payload) -> bool``; stops at the
+                                       first miss or refusal; the result is the count handed over
+    write_behind(key, provider) -> bool  enqueue copies of a chunk committed to host memory;
+                                       False when dropped (queue full, closed); never blocks
+    note_hits(keys)                    chunks reused from host memory: sightings for admission
+    flush(); close()                   wait for queued writes; drain and join every thread
+    size_tiers(bytes_per_block, host_gb, disk_gb, blocks_per_chunk) -> TierSizes
+
+Writes are lazy: ``provider()`` runs on the writer thread and returns the payload, or None when
+the chunk is gone from host memory by then (counted as ``gone``). The disk admits a chunk
+according to ``admission`` (``ADMISSION``): "always", or "second_hit" = only once the chunk was
+seen twice (stored or hit), so one-off prompts do not cost disk bandwidth; a refused chunk's
+provider is remembered (bounded) and written when its second sighting comes. Redis, shared
+across nodes, takes every chunk. A chunk promoted from Redis is also copied to disk
+(``promote_to_disk``); the payload is held in the queue until written, so the queue depth bounds
+that memory too. Bounded time: ``find`` costs one in-memory disk check and one Redis pipeline,
+each Redis call has the tier's timeout, and an unavailable tier answers at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvdepot.config import DepotConfig
+from kvdepot.errors import ConfigError
+from kvdepot.keys import ChunkKey
+from kvdepot.storage.base import Tier, TierStats
+from kvdepot.storage.codec import HEADER_BYTES, Payload
+from kvdepot.storage.disk import DiskTier
+from kvdepot.storage.redis_tier import RedisTier
+
+logger = logging.getLogger("kvdepot")
+
+Provider = Callable[[], Payload | None]
+Sink = Callable[[ChunkKey, bytes], bool]
+
+
+class LowerTier(Tier, Protocol):
+    """A byte tier that takes any bytes-like payload, batches presence checks and closes."""
+
+    def put(self, key: ChunkKey, payload: Payload) -> bool: ...
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
+
+    def close(self) -> None: ...
+
+
+# ---- admission ------------------------------------------------------------------------------
+class AlwaysAdmit:
+    def admit(self, key: ChunkKey) -> bool:
+        return True
+
+
+class SecondHit:
+    """Admit a chunk from its second sighting on; remembers the last ``memory`` keys seen."""
+
+    def __init__(self, hits: int = 2, memory: int = 1 << 16) -> None:
+        self.hits, self.memory = hits, memory
+        self._seen: OrderedDict[ChunkKey, int] = OrderedDict()
+
+    def admit(self, key: ChunkKey) -> bool:
+        count = self._seen.pop(key, 0) + 1
+        self._seen[key] = count
+        if len(self._seen) > self.memory:
+            self._seen.popitem(last=False)
+        return count >= self.hits
+
+
+ADMISSION: dict[str, type[AlwaysAdmit] | type[SecondHit]] = {"always": AlwaysAdmit, "second_hit": SecondHit}
+
+
+# ---- sizing ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TierSizes:
+    """The leader's answer to a worker's bytes_per_block: capacities in whole chunks and blocks."""
+
+    bytes_per_block: int
+    blocks_per_chunk: int
+    host_chunks: int
+    disk_chunks: int
+    num_host_blocks: int
+    num_disk_blocks: int
+
+
+def size_tiers(bytes_per_block: int, host_capacity_gb: float, disk_capacity_gb: float, blocks_per_chunk: int) -> TierSizes:
+    """Blocks each tier holds. Tiers store whole chunks; a disk object carries a header too."""
+    if bytes_per_block <= 0 or blocks_per_chunk <= 0:
+        raise ConfigError(f"bytes_per_block={bytes_per_block} and blocks_per_chunk={blocks_per_chunk} must be positive")
+    if host_capacity_gb < 0 or disk_capacity_gb < 0:
+        raise ConfigError(f"capacities must be >= 0 GB, got host={host_capacity_gb} disk={disk_capacity_gb}")
+    chunk = bytes_per_block * blocks_per_chunk
+    host = int(host_capacity_gb * 1e9) // chunk
+    disk = int(disk_capacity_gb * 1e9) // (chunk + HEADER_BYTES)
+    return TierSizes(bytes_per_block, blocks_per_chunk, host, disk, host * blocks_per_chunk, disk * blocks_per_chunk)
+
+
+# ---- manager --------------------------------------------------------------------------------
+@dataclass
+class ManagerStats:
+    queued: int = 0  # write jobs accepted
+    dropped: int = 0  # write jobs refused: queue full or manager closed
+    deferred: int = 0  # disk writes held back by admission
+    written: int = 0  # chunk copies placed in a lower tier
+    write_failures: int = 0  # puts a tier refused (full, down, I/O error)
+    gone: int = 0  # providers that found the chunk gone from host memory
+    promoted: int = 0  # chunks handed to sinks
+    tiers: list[TierStats] = field(default_factory=list)
+
+
+_DEFER_MAX = 4096
+
+
+class TierManager:
+    """Disk and/or Redis below the host tier, with a promote pool and a write-behind queue."""
+
+    def __init__(
+        self,
+        disk: LowerTier | None = None,
+        remote: LowerTier | None = None,
+        *,
+        admission: str = "always",
+        queue_depth: int = 32,
+        writers: int = 1,
+        promoters: int = 2,
+        promote_to_disk: bool = True,
+    ) -> None:
+        if admission not in ADMISSION:
+            raise ConfigError(f"admission {admission!r} is not one of {sorted(ADMISSION)}")
+        if queue_depth < 1 or writers < 1 or promoters < 1:
+            raise ConfigError(f"queue_depth={queue_depth}, writers={writers}, promoters={promoters} must be >= 1")
+        self.disk, self.remote = disk, remote
+        self.tiers: list[LowerTier] = [t for t in (disk, remote) if t is not None]
+        self.promote_to_disk = promote_to_disk
+        self._admission = ADMISSION[admission]()
+        self._deferred: OrderedDict[ChunkKey, Provider] = OrderedDict()
+        self._lock = threading.Lock()
+        self._stats = ManagerStats()
+        self._closing = False  # refuse new work from callers
+        self._stopped = False  # refuse internal work too (promote copies)
+        self._queue: queue.Queue[tuple[ChunkKey, Provider, tuple[LowerTier, ...]] | None] = queue.Queue(queue_depth)
+        self._pool = ThreadPoolExecutor(promoters, thread_name_prefix="kvdepot-promote")
+        self._writers = [
+            threading.Thread(target=self._write_loop, name=f"kvdepot-writer-{i}", daemon=True)
+            for i in range(writers if self.tiers else 0)  # no lower tier: no threads
+        ]
+        for thread in self._writers:
+            thread.start()
+
+    @classmethod
+    def from_config(cls, config: DepotConfig, namespace: bytes) -> TierManager:
+        """Disk if ``disk_path`` is set, Redis if ``remote_url`` is; the tiers are the manager's."""
+        opt = _options(config)
+        disk = remote = None
+        if config.disk_path:
+            try:
+                disk = DiskTier(
+                    config.disk_path, int(config.disk_capacity_gb * 1e9), namespace,
+                    o_direct={"auto": None, "true": True, "false": False}[opt["disk_o_direct"]],
+                    fsync=opt["disk_fsync"],
+                )
+            except OSError as exc:
+                raise ConfigError(f"config key 'disk_path': {config.disk_path!r} is not a usable directory ({exc})") from None
+        if config.remote_url:
+            remote = RedisTier(
+                config.remote_url, namespace, timeout_s=opt["remote_timeout_s"],
+                retry_after_s=opt["remote_retry_s"], ttl_s=opt["remote_ttl_s"],
+            )
+        return cls(
+            disk, remote, admission=opt["disk_admission"], queue_depth=opt["write_queue_depth"],
+            promote_to_disk=opt["promote_to_disk"],
+        )
+
+    # ---- lookups and promotion -------------------------------------------------------------
+    def find(self, keys: Sequence[ChunkKey]) -> int:
+        """How many consecutive chunks from ``keys[0]`` some lower tier holds."""
+        present = [False] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, hit in enumerate(present) if not hit]
+            if not todo:
+                break
+            for i, hit in zip(todo, tier.contains_many([keys[i] for i in todo]), strict=True):
+                present[i] = hit
+        count = 0
+        while count < len(keys) and present[count]:
+            count += 1
+        return count
+
+    def promote(self, keys: Sequence[ChunkKey], sink: Sink) -> Future[int]:
+        """Hand ``keys``' payloads to ``sink`` in order, in the background; the count handed over."""
+        with self._lock:
+            if not self._closing:
+                return self._pool.submit(self._promote, list(keys), sink)
+        done: Future[int] = Future()
+        done.set_result(0)
+        return done
+
+    def _promote(self, keys: list[ChunkKey], sink: Sink) -> int:
+        count = 0
+        for key in keys:
+            found = self._read(key)
+            if found is None:
+                break
+            payload, level = found
+            if not sink(key, payload):
+                break
+            count += 1
+            if level and self.promote_to_disk:
+                self._enqueue(key, _held(payload), tuple(self.tiers[:level]), internal=True)
+        with self._lock:
+            self._stats.promoted += count
+        return count
+
+    def _read(self, key: ChunkKey) -> tuple[bytes, int] | None:
+        for level, tier in enumerate(self.tiers):
+            payload = tier.get(key)
+            if payload is not None:
+                return payload, level
+        return None
+
+    # ---- write-behind ----------------------------------------------------------------------
+    def write_behind(self, key: ChunkKey, provider: Provider) -> bool:
+        """Queue copies of a chunk just committed to host memory; False if dropped."""
+        targets: list[LowerTier] = []
+        with self._lock:
+            if self._closing:
+                self._stats.dropped += 1
+                return False
+            if self.disk is not None and not self.disk.contains(key):
+                if self._admission.admit(key):
+                    targets.append(self.disk)
+                else:
+                    self._defer_locked(key, provider)
+            if self.remote is not None:
+                targets.append(self.remote)
+        return not targets or self._enqueue(key, provider, tuple(targets))
+
+    def note_hits(self, keys: Sequence[ChunkKey]) -> None:
+        """Chunks reused from host memory count as sightings; admitted deferred chunks are queued."""
+        if self.disk is None:
+            return
+        ready = []
+        with self._lock:
+            for key in keys:
+                if self._admission.admit(key) and key in self._deferred:
+                    ready.append((key, self._deferred.pop(key)))
+        for key, provider in ready:
+            if not self.disk.contains(key):
+                self._enqueue(key, provider, (self.disk,))
+
+    def _defer_locked(self, key: ChunkKey, provider: Provider) -> None:
+        self._stats.deferred += 1
+        self._deferred[key] = provider
+        self._deferred.move_to_end(key)
+        if len(self._deferred) > _DEFER_MAX:
+            self._deferred.popitem(last=False)
+
+    def _enqueue(self, key: ChunkKey, provider: Provider, targets: tuple[LowerTier, ...], *, internal: bool = False) -> bool:
+        with self._lock:
+            if self._stopped or (self._closing and not internal):
+                self._stats.dropped += 1
+                return False
+            try:
+                self._queue.put_nowait((key, provider, targets))
+            except queue.Full:
+                self._stats.dropped += 1
+                return False
+            self._stats.queued += 1
+            return True
+
+    def _write_loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self._write(*job)
+            except Exception:  # the worker boundary: a bad provider must not kill the writer
+                logger.warning("write-behind of chunk %s failed", job[0].hex(), exc_info=True)
+                with self._lock:
+                    self._stats.write_failures += 1
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _write(self, key: ChunkKey, provider: Provider, targets: tuple[LowerTier, ...]) -> None:
+        missing = [tier for tier in targets if not tier.contains(key)]
+        if not missing:
+            return
+        payload = provider()  # only now: copying out of host memory is the provider's cost
+        if payload is None:
+            with self._lock:
+                self._stats.gone += 1
+            return
+        for tier in missing:
+            ok = tier.put(key, payload)
+            with self._lock:
+                if ok:
+                    self._stats.written += 1
+                else:
+                    self._stats.write_failures += 1
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Block until every write queued so far is done (tests, shutdown)."""
+        self._queue.join()
+
+    def stats(self) -> ManagerStats:
+        with self._lock:
+            snapshot = ManagerStats(**{k: v for k, v in vars(self._stats).items() if k != "tiers"})
+        snapshot.tiers = [tier.stats() for tier in self.tiers]
+        return snapshot
+
+    def close(self, drain: bool = True) -> None:
+        """Stop accepting work, finish promotions, then drain (or drop) queued writes and join
+        every thread; the tiers are closed too. Idempotent."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._pool.shutdown(wait=True, cancel_futures=not drain)
+        with self._lock:
+            self._stopped = True
+        if not drain:
+            self._discard_queued()
+        for _ in self._writers:
+            self._queue.put(None)
+        for thread in self._writers:
+            thread.join()
+        for tier in self.tiers:
+            tier.close()
+
+    def _discard_queued(self) -> None:
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._queue.task_done()
+            with self._lock:
+                self._stats.dropped += 1
+
+
+def _held(payload: bytes) -> Provider:
+    return lambda: payload
+
+
+# NOTE: keys the config table does not have yet (see docs/tiers.md); read with these defaults
+# until config.py gains them, then this becomes plain attribute access.
+PROPOSED_KEYS: dict[str, Any] = {
+    "disk_admission": "always",
+    "disk_o_direct": "auto",
+    "disk_fsync": False,
+    "remote_timeout_s": 0.5,
+    "remote_retry_s": 1.0,
+    "remote_ttl_s": None,
+    "write_queue_depth": 32,
+    "promote_to_disk": True,
+}
+
+
+def _options(config: DepotConfig) -> dict[str, Any]:
+    return {name: getattr(config, name, default) for name, default in PROPOSED_KEYS.items()}
