@@ -49,11 +49,20 @@ class DepotConfig:
     server_url: str | None = _key(None, "URL of a kvdepot server (multi-process mode); unset uses the per-user ipc:// default.")
     save_decode_cache: bool = _key(False, "Also save chunks completed during decode, not only the prompt's.")
     log_level: str = _key("INFO", "Level of the 'kvdepot' logger.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    hash_algo: str = _key("blake3", "Digest of the chained chunk keys (128-bit).", choices=("blake3", "xxh3_128"))
+    hash_algo: str = _key("xxh3_128", "Digest of the chained chunk keys (128-bit); blake3 is cryptographic, for untrusted multi-tenant prompts.", choices=("xxh3_128", "blake3"))
     cache_salt: str = _key("", "Mixed into every key: deployments with different salts never share KV.")
     model_id: str = _key("", "Model identity mixed into every key; adapters fill it from the engine's model name.")
     lease_timeout_s: float = _key(30.0, "Seconds a looked-up chunk stays pinned if its load never comes.", minimum=0.001)
     pin_host_memory: str = _key("auto", "Pin the host tier's memory: auto = when CUDA is available.", choices=("auto", "true", "false"))
+    transfer_mover: str = _key("auto", "Block copy path: runs = one DMA per run of adjacent blocks, staged = GPU gather + one copy; auto picks by block size.", choices=("auto", "runs", "staged"))
+    disk_admission: str = _key("always", "Which chunks the disk takes: all, or only those seen twice (stored or hit).", choices=("always", "second_hit"))
+    disk_o_direct: str = _key("auto", "O_DIRECT for the disk tier: auto = probe the directory and fall back to buffered I/O.", choices=("auto", "true", "false"))
+    disk_fsync: bool = _key(False, "Fsync each disk object and its directory before it counts as stored.")
+    remote_timeout_s: float = _key(0.5, "Connect and per-operation socket timeout of the Redis tier, in seconds.", minimum=0.001)
+    remote_retry_s: float = _key(1.0, "After a Redis outage, answer misses this long before trying again.", minimum=0)
+    remote_ttl_s: float | None = _key(None, "Expire Redis values after this many seconds; unset keeps them until Redis evicts.", minimum=0.001)
+    write_queue_depth: int = _key(32, "Most write-behind jobs waiting for lower tiers; more are dropped and counted.", minimum=1)
+    promote_to_disk: bool = _key(True, "Copy chunks promoted from Redis to disk too.")
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

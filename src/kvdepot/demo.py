@@ -19,7 +19,10 @@ import time
 
 import torch
 
-from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorScheduler, KvDepotConnectorWorker
+from kvdepot.integrations.tensorrt_llm.adapter import (
+    KvDepotConnectorScheduler,
+    KvDepotConnectorWorker,
+)
 from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
 
 

@@ -19,11 +19,13 @@ copy completes; slots read by a load stay pinned until it completes.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,9 +34,16 @@ from kvdepot.config import DepotConfig, load_config
 from kvdepot.errors import ConfigError, LayoutError
 from kvdepot.keys import ChunkHasher, ChunkKey, Namespace
 from kvdepot.layout import PoolLayout
+from kvdepot.storage.base import TierStats
 from kvdepot.storage.host import HostTier
-from kvdepot.transfer import TorchBlockMover
+from kvdepot.storage.manager import TierManager
+from kvdepot.transfer import MOVERS
 from kvdepot.transfer.base import BlockMover
+
+logger = logging.getLogger("kvdepot")
+# Blocks at least this large already run a single DMA near the PCIe ceiling; smaller ones are
+# gathered on the device first (see transfer/staged.py).
+STAGED_BELOW_BYTES = 2 << 20
 
 
 @dataclass
@@ -55,6 +64,22 @@ class EngineStats:
     inflight_transfers: int = 0
     host_chunks: int = 0
     host_capacity_chunks: int = 0
+    promoting: int = 0  # lookups whose lower-tier chunks are still being read into host memory
+    short_loads: int = 0  # loads that found fewer chunks than their lookup promised (logged)
+    lower: list[TierStats] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A lookup's answer: where the cached run ends, and how much of it is in host memory now."""
+
+    tokens: int  # end of the cached run, in tokens from position 0 (host and lower tiers)
+    host_tokens: int  # end of the part already in host memory
+
+    @property
+    def pending(self) -> bool:
+        """Part of the hit is being promoted from disk/Redis: load it asynchronously."""
+        return self.tokens > self.host_tokens
 
 
 class StoreHandle:
@@ -102,11 +127,14 @@ class CacheEngine:
             )
         pin = {"true": True, "false": False, "auto": torch.cuda.is_available()}[self.config.pin_host_memory]
         self.host = HostTier(capacity, layout.chunk_bytes, pin_memory=pin)
-        self.mover: BlockMover = mover or TorchBlockMover()
+        self.mover: BlockMover = mover or _pick_mover(self.config.transfer_mover, layout)
+        self.lower = TierManager.from_config(self.config, self.hasher.seed) if (
+            self.config.disk_path or self.config.remote_url) else None
+        self._promotions: dict[Any, Future[int]] = {}
         self._lock = threading.RLock()
         self._views: list[torch.Tensor] = []
         self._pool: torch.Tensor | None = None
-        self._streams: tuple[Any, Any] | None = None
+        self._streams: tuple[Any, ...] | None = None
         self._inflight: deque[tuple[int, Any, Callable[[], None]]] = deque()
         self._tokens = itertools.count(1)
         self._stats = EngineStats()
@@ -142,7 +170,10 @@ class CacheEngine:
             self._pool = pool
             self._views = [pool.view(torch.uint8).reshape(layout.num_blocks, -1)]
             if pool.is_cuda:
-                self._streams = (torch.cuda.Stream(pool.device), torch.cuda.Stream(pool.device))
+                # Three distinct streams from torch's pool: store, load, and a spare used when the
+                # caller's own stream happens to be one of ours (torch hands pool streams out in
+                # rotation, so an engine's forward stream can alias a side stream).
+                self._streams = tuple(torch.cuda.Stream(pool.device) for _ in range(3))
             else:
                 self._streams = None
 
@@ -176,6 +207,11 @@ class CacheEngine:
         return (first + found) * self.layout.chunk_size
 
     def release(self, lease: Any) -> None:
+        """Unpin what ``lease`` holds; a promotion still running for it keeps its own pins until done."""
+        future = self._promotions.pop(lease, None)
+        if future is not None:
+            future.cancel()
+            future.add_done_callback(lambda _f: self.release(lease))
         with self._lock:
             self.host.release(lease)
 
@@ -213,8 +249,14 @@ class CacheEngine:
         def commit() -> None:
             for key, _slot, _ids in placed:
                 self.host.commit(key, True)
+                if self.lower is not None:  # never blocks: a full queue drops and counts
+                    self.lower.write_behind(key, self._provider(key))
 
-        token = self._run(copy, commit, stream, store=True)
+        def rollback() -> None:
+            for key, _slot, _ids in placed:
+                self.host.commit(key, False)
+
+        token = self._run(copy, commit, stream, store=True, on_fail=rollback)
         with self._lock:
             self._stats.stored_chunks += len(placed)
             self._stats.bytes_stored += len(placed) * bpc * self.layout.bytes_per_block
@@ -255,6 +297,12 @@ class CacheEngine:
             if lease is not None:
                 self.release(lease)  # nothing to load: the lookup's pins must not outlive the call
             return skip_blocks * B
+        promotion = self._promotions.pop(lease, None) if lease is not None else None
+        if promotion is not None:
+            try:
+                promotion.result(timeout=self.config.lease_timeout_s)
+            except Exception:  # noqa: BLE001 - a failed read is a shorter load, reported below
+                logger.warning("kvdepot: promotion for %s failed", lease, exc_info=True)
         pin = ("load", next(self._tokens))
         plan: list[tuple[torch.Tensor, list[int], int]] = []
         with self._lock:
@@ -285,26 +333,45 @@ class CacheEngine:
         return (skip_blocks + loaded_blocks) * B
 
     # ---- in-flight transfers ----------------------------------------------------------------
-    def _run(self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any, *, store: bool) -> int | None:
-        """Run ``copy`` now (CPU) or enqueue it on a side stream ordered after ``stream`` (CUDA)."""
+    def _run(
+        self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any, *, store: bool,
+        on_fail: Callable[[], None] | None = None,
+    ) -> int | None:
+        """Run ``copy`` now (CPU) or enqueue it on a side stream ordered after ``stream`` (CUDA).
+
+        If ``copy`` raises, ``on_fail`` (or ``on_done``) runs first so no slot or pin leaks.
+        """
+        try:
+            if self._streams is None:
+                copy()
+            else:
+                caller = stream if stream is not None else torch.cuda.current_stream(self._streams[0].device)
+                side = self._side_stream(store, caller)
+                side.wait_stream(caller)
+                with torch.cuda.stream(side):
+                    copy()
+                    event = torch.cuda.Event()
+                    event.record(side)
+        except BaseException:
+            with self._lock:
+                (on_fail or on_done)()
+            raise
         if self._streams is None:
-            copy()
             with self._lock:
                 on_done()
             return None
-        side = self._streams[0 if store else 1]
-        caller = stream if stream is not None else torch.cuda.current_stream(side.device)
-        side.wait_stream(caller)
-        with torch.cuda.stream(side):
-            copy()
-            event = torch.cuda.Event()
-            event.record(side)
         if not store:
             caller.wait_event(event)  # the forward pass reads what the load wrote
         with self._lock:
             token = next(self._tokens)
             self._inflight.append((token, event, on_done))
         return token
+
+    def _side_stream(self, store: bool, caller: Any) -> Any:
+        """The stream a copy runs on: never the caller's, or the caller would wait for it."""
+        assert self._streams is not None
+        side = self._streams[0 if store else 1]
+        return self._streams[2] if side == caller else side
 
     def _poll_locked(self) -> None:
         while self._inflight and self._inflight[0][1].query():
@@ -371,7 +438,22 @@ class CacheEngine:
             s.live_leases, s.pinned_chunks = self.host.live_leases, self.host.pinned_chunks
             s.inflight_transfers = len(self._inflight)
             s.host_chunks, s.host_capacity_chunks = host.chunks, self.host.num_slots
-            return EngineStats(**vars(s))
+            s.promoting = sum(not f.done() for f in self._promotions.values())
+            s.lower = self.lower.stats().tiers if self.lower is not None else []
+            return EngineStats(**{**vars(s), "lower": list(s.lower)})
 
     def close(self) -> None:
+        """Finish transfers, then drain write-behind and join the tier threads (outside the lock:
+        write-behind providers take it)."""
         self.wait_all()
+        for future in list(self._promotions.values()):
+            future.cancel()
+        self._promotions.clear()
+        if self.lower is not None:
+            self.lower.close()
+
+
+def _pick_mover(name: str, layout: PoolLayout) -> BlockMover:
+    if name == "auto":
+        name = "runs" if layout.bytes_per_block >= STAGED_BELOW_BYTES else "staged"
+    return MOVERS[name]()

@@ -161,25 +161,24 @@ class TierManager:
     @classmethod
     def from_config(cls, config: DepotConfig, namespace: bytes) -> TierManager:
         """Disk if ``disk_path`` is set, Redis if ``remote_url`` is; the tiers are the manager's."""
-        opt = _options(config)
         disk = remote = None
         if config.disk_path:
             try:
                 disk = DiskTier(
                     config.disk_path, int(config.disk_capacity_gb * 1e9), namespace,
-                    o_direct={"auto": None, "true": True, "false": False}[opt["disk_o_direct"]],
-                    fsync=opt["disk_fsync"],
+                    o_direct={"auto": None, "true": True, "false": False}[config.disk_o_direct],
+                    fsync=config.disk_fsync,
                 )
             except OSError as exc:
                 raise ConfigError(f"config key 'disk_path': {config.disk_path!r} is not a usable directory ({exc})") from None
         if config.remote_url:
             remote = RedisTier(
-                config.remote_url, namespace, timeout_s=opt["remote_timeout_s"],
-                retry_after_s=opt["remote_retry_s"], ttl_s=opt["remote_ttl_s"],
+                config.remote_url, namespace, timeout_s=config.remote_timeout_s,
+                retry_after_s=config.remote_retry_s, ttl_s=config.remote_ttl_s,
             )
         return cls(
-            disk, remote, admission=opt["disk_admission"], queue_depth=opt["write_queue_depth"],
-            promote_to_disk=opt["promote_to_disk"],
+            disk, remote, admission=config.disk_admission, queue_depth=config.write_queue_depth,
+            promote_to_disk=config.promote_to_disk,
         )
 
     # ---- lookups and promotion -------------------------------------------------------------
@@ -351,21 +350,3 @@ class TierManager:
 
 def _held(payload: bytes) -> Provider:
     return lambda: payload
-
-
-# NOTE: keys the config table does not have yet (see docs/tiers.md); read with these defaults
-# until config.py gains them, then this becomes plain attribute access.
-PROPOSED_KEYS: dict[str, Any] = {
-    "disk_admission": "always",
-    "disk_o_direct": "auto",
-    "disk_fsync": False,
-    "remote_timeout_s": 0.5,
-    "remote_retry_s": 1.0,
-    "remote_ttl_s": None,
-    "write_queue_depth": 32,
-    "promote_to_disk": True,
-}
-
-
-def _options(config: DepotConfig) -> dict[str, Any]:
-    return {name: getattr(config, name, default) for name, default in PROPOSED_KEYS.items()}

@@ -87,7 +87,7 @@ class StagedBlockMover:
         if len(regions) == 1 and first == 0 and host.numel() == staging.numel():
             pairs = [(staging, host)]
         else:
-            pairs = [(s[:n], h[first : first + n]) for (_, s), (_, h) in zip(view_regions(views, staging), regions)]
+            pairs = [(s[:n], h[first : first + n]) for (_, s), (_, h) in zip(view_regions(views, staging), regions, strict=False)]
         for dev, cpu in pairs:
             if to_host:
                 cpu.copy_(dev, non_blocking=True)

@@ -1,0 +1,164 @@
+"""``kvdepot.transfer``: ``block_runs`` and the torch mover's gather/scatter, byte for byte.
+
+Every test fills the source with fresh random bytes and the destination with a *different*
+random pattern (poison), then checks the listed blocks landed and every other byte kept its
+poison. The same property runs on CPU and, marked ``gpu``, on CUDA pools with pinned host
+buffers and a side stream.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvdepot.transfer import TorchBlockMover, block_runs
+from kvdepot.transfer.base import view_regions
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int8]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def random_bytes(shape, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+
+
+# ---- block_runs ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 40), unique=True, max_size=25))
+def test_block_runs_are_maximal_runs_that_rebuild_the_list(ids):
+    runs = block_runs(ids)
+    rebuilt = [first + k for _, first, length in runs for k in range(length)]
+    assert rebuilt == ids
+    assert [pos for pos, _, _ in runs] == [sum(r[2] for r in runs[:i]) for i in range(len(runs))]
+    assert all(length >= 1 for _, _, length in runs)
+    for (_, first, length), (_, nxt, _) in zip(runs, runs[1:], strict=False):
+        assert first + length != nxt  # adjacent runs could not have been merged
+
+
+def test_block_runs_examples():
+    assert block_runs([]) == []
+    assert block_runs([5]) == [(0, 5, 1)]
+    assert block_runs([3, 4, 5, 9, 10, 2, 1]) == [(0, 3, 3), (3, 9, 2), (5, 2, 1), (6, 1, 1)]
+
+
+def test_view_regions_split_a_host_buffer_view_major():
+    views = [torch.zeros(6, 3, dtype=torch.uint8), torch.zeros(6, 5, dtype=torch.uint8)]
+    buf = torch.arange(2 * 8, dtype=torch.uint8)  # room for 2 blocks
+    (v0, r0), (v1, r1) = view_regions(views, buf)
+    assert v0 is views[0] and v1 is views[1]
+    assert r0.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert r1.tolist() == [[6, 7, 8, 9, 10], [11, 12, 13, 14, 15]]
+
+
+# ---- gather / scatter ----------------------------------------------------------------------------
+
+
+@st.composite
+def cases(draw):
+    num_blocks = draw(st.integers(1, 12))
+    order = draw(st.permutations(range(num_blocks)))
+    ids = order[: draw(st.integers(0, num_blocks))]  # distinct ids, random order, random count
+    return dict(
+        num_blocks=num_blocks,
+        layers=draw(st.integers(1, 3)),
+        kv=draw(st.sampled_from([1, 2])),
+        elems=draw(st.integers(1, 24)),
+        dtype=draw(st.sampled_from(DTYPES)),
+        per_layer=draw(st.booleans()),  # one view per layer (strided) or one cross-layer view
+        ids=ids,
+        first=draw(st.integers(0, 3)),
+        spare=draw(st.integers(0, 2)),  # host positions after the copied ones
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def make_pool(c, device):
+    """A pool of ``c['dtype']`` with random bytes, and its block views (uint8)."""
+    gen = torch.Generator().manual_seed(c["seed"])
+    pool = torch.empty(c["num_blocks"], c["layers"], c["kv"], c["elems"], dtype=c["dtype"])
+    pool.view(torch.uint8).copy_(random_bytes(pool.view(torch.uint8).shape, gen))
+    pool = pool.to(device)
+    raw = pool.view(torch.uint8)
+    if c["per_layer"]:
+        views = [raw[:, layer].reshape(c["num_blocks"], -1) for layer in range(c["layers"])]
+    else:
+        views = [raw.reshape(c["num_blocks"], -1)]
+    return pool, views, gen
+
+
+def host_buffer(positions: int, block_bytes: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    buf = random_bytes((positions * block_bytes,), gen)
+    return buf.pin_memory() if device == "cuda" else buf
+
+
+def run_on_side_stream(device, fn):
+    if device == "cuda":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        side.synchronize()
+    else:
+        fn()
+
+
+def regions(views, buf):
+    return [region.cpu().clone() for _, region in view_regions(views, buf)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=60, deadline=None)
+@given(c=cases())
+def test_gather_copies_exactly_the_listed_blocks_into_the_host_buffer(device, c):
+    pool, views, gen = make_pool(c, device)
+    pool_before = pool.view(torch.uint8).cpu().clone()
+    block_bytes = sum(v.shape[1] for v in views)
+    n, first = len(c["ids"]), c["first"]
+    dst = host_buffer(first + n + c["spare"], block_bytes, gen, device)
+    poison = regions(views, dst)
+    run_on_side_stream(device, lambda: TorchBlockMover().gather(views, c["ids"], dst, first))
+    after = regions(views, dst)
+    for view, before, region in zip(views, poison, after, strict=True):
+        expected = before.clone()
+        for i, b in enumerate(c["ids"]):
+            expected[first + i] = view[b].cpu()
+        assert torch.equal(region, expected)  # listed blocks in list order, poison elsewhere
+    assert torch.equal(pool.view(torch.uint8).cpu(), pool_before)  # a gather never writes the pool
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@settings(max_examples=60, deadline=None)
+@given(c=cases())
+def test_scatter_writes_exactly_the_listed_blocks_and_round_trips(device, c):
+    pool, views, gen = make_pool(c, device)
+    original = pool.view(torch.uint8).cpu().clone()
+    block_bytes = sum(v.shape[1] for v in views)
+    n, first = len(c["ids"]), c["first"]
+    buf = host_buffer(first + n + c["spare"], block_bytes, gen, device)
+    run_on_side_stream(device, lambda: TorchBlockMover().gather(views, c["ids"], buf, first))
+    buf_after_gather = buf.clone()
+    # Poison the whole pool, then load the blocks back from the host buffer.
+    poison = random_bytes(pool.view(torch.uint8).shape, gen)
+    pool.view(torch.uint8).copy_(poison.to(device))
+    run_on_side_stream(device, lambda: TorchBlockMover().scatter(buf, views, c["ids"], first))
+    now = pool.view(torch.uint8).cpu()  # checked through the pool itself, not the views
+    listed = set(c["ids"])
+    for b in range(c["num_blocks"]):
+        assert torch.equal(now[b], original[b] if b in listed else poison[b]), b
+    assert torch.equal(buf, buf_after_gather)  # a scatter never writes the host buffer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_block_lists_move_nothing(device):
+    c = dict(num_blocks=3, layers=1, kv=2, elems=4, dtype=torch.float16, per_layer=False, seed=1)
+    pool, views, gen = make_pool(c, device)
+    before = pool.view(torch.uint8).cpu().clone()
+    buf = host_buffer(1, views[0].shape[1], gen, device)
+    buf_before = buf.clone()
+    TorchBlockMover().gather(views, [], buf)
+    TorchBlockMover().scatter(buf, views, [])
+    assert torch.equal(pool.view(torch.uint8).cpu(), before) and torch.equal(buf, buf_before)
