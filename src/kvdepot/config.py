@@ -63,6 +63,14 @@ class DepotConfig:
     remote_ttl_s: float | None = _key(None, "Expire Redis values after this many seconds; unset keeps them until Redis evicts.", minimum=0.001)
     write_queue_depth: int = _key(32, "Most write-behind jobs waiting for lower tiers; more are dropped and counted.", minimum=1)
     promote_to_disk: bool = _key(True, "Copy chunks promoted from Redis to disk too.")
+    lower_tier_hits: str = _key(
+        "prefetch",
+        "How a hit found only on disk/Redis is served. prefetch: promote it into host memory in the "
+        "background and serve it from there to later requests (always exact). async: promise it to "
+        "this request and load it when promoted (TensorRT-LLM's async path); a chunk that vanishes or "
+        "fails its checksum between lookup and read then leaves blocks unloaded (logged, counted).",
+        choices=("prefetch", "async"),
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

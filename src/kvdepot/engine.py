@@ -130,7 +130,8 @@ class CacheEngine:
         self.mover: BlockMover = mover or _pick_mover(self.config.transfer_mover, layout)
         self.lower = TierManager.from_config(self.config, self.hasher.seed) if (
             self.config.disk_path or self.config.remote_url) else None
-        self._promotions: dict[Any, Future[int]] = {}
+        self._promotions: dict[Any, Future[int]] = {}  # by lease, until its load takes it
+        self._promoting: set[Future[int]] = set()  # every promotion still running
         self._lock = threading.RLock()
         self._views: list[torch.Tensor] = []
         self._pool: torch.Tensor | None = None
@@ -189,28 +190,110 @@ class CacheEngine:
         skip_tokens: int = 0,
         lease: Any = None,
     ) -> int:
-        """End (in tokens from 0) of the run of cached chunks starting at ``skip_tokens``' chunk.
+        """End (in tokens from 0) of the run of cached chunks starting at ``skip_tokens``' chunk."""
+        return self.probe(tokens, keys=keys, skip_tokens=skip_tokens, lease=lease).tokens
 
-        With ``lease``, the counted chunks are pinned until ``release(lease)`` or the
-        configured lease timeout.
+    def probe(
+        self,
+        tokens: Sequence[int] | None = None,
+        *,
+        keys: Sequence[ChunkKey] | None = None,
+        skip_tokens: int = 0,
+        lease: Any = None,
+    ) -> Hit:
+        """Look the prefix up in host memory, then in the lower tiers.
+
+        With ``lease``, the host chunks counted are pinned until ``release(lease)`` or the lease
+        timeout, and the lower-tier chunks counted are promoted into host memory in the
+        background (pinned under the same lease); ``retrieve`` with that lease waits for them.
+        Without a lease nothing is pinned or promoted.
         """
         keys = self._keys(tokens, keys)
         if skip_tokens < 0:
             raise LayoutError(f"skip_tokens={skip_tokens} must be >= 0")
-        first = skip_tokens // self.layout.chunk_size
+        size = self.layout.chunk_size
+        first = skip_tokens // size
         with self._lock:
             self._poll_locked()
             found = self.host.lookup(keys[first:], lease, self.config.lease_timeout_s)
             self._stats.lookups += 1
             self._stats.hits += found
-            self._stats.misses += first + found < len(keys)
-        return (first + found) * self.layout.chunk_size
+        end = first + found
+        more = 0
+        if self.lower is not None:
+            self.lower.note_hits(keys[first:end])
+            if end < len(keys):
+                more = self.lower.find(keys[end:])  # bounded: tiers answer within their timeouts
+            if more and lease is not None:
+                future = self.lower.promote(keys[end : end + more], self._sink(lease))
+                self._promotions[lease] = future
+                with self._lock:
+                    self._promoting.add(future)
+                future.add_done_callback(self._promoting.discard)
+        with self._lock:
+            self._stats.hits += more
+            self._stats.misses += end + more < len(keys)
+        return Hit((end + more) * size, end * size)
+
+    def wait_promotions(self, timeout: float | None = None) -> None:
+        """Block until every promotion started so far has finished (tests, benchmarks, shutdown)."""
+        for future in list(self._promoting):
+            try:
+                future.result(timeout=timeout)
+            except Exception:  # noqa: BLE001 - a failed promotion only means fewer prefetched chunks
+                logger.debug("kvdepot: a promotion failed", exc_info=True)
+
+    def promotion_done(self, lease: Any) -> bool:
+        """Whether the lower-tier part of ``lease``'s hit has been read into host memory."""
+        future = self._promotions.get(lease)
+        return future is None or future.done()
+
+    def _sink(self, lease: Any) -> Callable[[ChunkKey, bytes], bool]:
+        """Where promoted chunks go: a host slot (reserve, copy, commit), pinned under ``lease``."""
+
+        def sink(key: ChunkKey, payload: bytes) -> bool:
+            if len(payload) != self.layout.chunk_bytes:
+                return False
+            with self._lock:
+                slot = self.host.reserve(key)
+                if slot is None and not self.host.contains(key):
+                    return False
+                self.host.pin(lease, [key], self.config.lease_timeout_s)
+            if slot is None:
+                return True
+            ok = False
+            try:
+                memoryview(slot.numpy())[:] = payload
+                ok = True
+            finally:
+                with self._lock:
+                    self.host.commit(key, ok)
+            return ok
+
+        return sink
+
+    def _provider(self, key: ChunkKey) -> Callable[[], bytes | None]:
+        """Write-behind reads a committed chunk's bytes from its host slot, pinned meanwhile."""
+
+        def read() -> bytes | None:
+            pin = ("write-behind", next(self._tokens))
+            with self._lock:
+                if not self.host.contains(key):
+                    return None
+                self.host.pin(pin, [key])
+                slot = self.host.slot(key)
+            try:
+                return slot.numpy().tobytes()
+            finally:
+                self.release(pin)
+
+        return read
 
     def release(self, lease: Any) -> None:
-        """Unpin what ``lease`` holds; a promotion still running for it keeps its own pins until done."""
+        """Unpin what ``lease`` holds. A promotion started for it runs on (a prefetch for later
+        requests) and drops the pins it adds when it finishes."""
         future = self._promotions.pop(lease, None)
         if future is not None:
-            future.cancel()
             future.add_done_callback(lambda _f: self.release(lease))
         with self._lock:
             self.host.release(lease)
@@ -316,10 +399,13 @@ class CacheEngine:
                 plan.append((self.host.slot(key), [block_ids[p] for p in positions], positions[0] - c * bpc))
             if lease is not None:
                 self.host.release(lease)
+        loaded_blocks = sum(len(ids) for _, ids, _ in plan)
+        if num_blocks is not None and loaded_blocks < end_block - skip_blocks:
+            with self._lock:
+                self._stats.short_loads += 1
         if not plan:
             self.release(pin)
             return skip_blocks * B
-        loaded_blocks = sum(len(ids) for _, ids, _ in plan)
 
         def copy() -> None:
             for slot, ids, first in plan:
@@ -438,7 +524,7 @@ class CacheEngine:
             s.live_leases, s.pinned_chunks = self.host.live_leases, self.host.pinned_chunks
             s.inflight_transfers = len(self._inflight)
             s.host_chunks, s.host_capacity_chunks = host.chunks, self.host.num_slots
-            s.promoting = sum(not f.done() for f in self._promotions.values())
+            s.promoting = len(self._promoting)
             s.lower = self.lower.stats().tiers if self.lower is not None else []
             return EngineStats(**{**vars(s), "lower": list(s.lower)})
 
@@ -446,7 +532,7 @@ class CacheEngine:
         """Finish transfers, then drain write-behind and join the tier threads (outside the lock:
         write-behind providers take it)."""
         self.wait_all()
-        for future in list(self._promotions.values()):
+        for future in list(self._promoting):
             future.cancel()
         self._promotions.clear()
         if self.lower is not None:

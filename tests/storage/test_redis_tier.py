@@ -16,7 +16,7 @@ from kvdepot.storage import codec
 from kvdepot.storage.redis_tier import RedisTier
 
 if TYPE_CHECKING:
-    from conftest import RedisServer  # tests/storage/conftest.py
+    from conftest import RedisServer  # tests/conftest.py
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))

@@ -23,7 +23,7 @@ from kvdepot.storage.manager import SecondHit, TierManager, TierSizes, size_tier
 from kvdepot.storage.redis_tier import RedisTier
 
 if TYPE_CHECKING:
-    from conftest import RedisServer  # tests/storage/conftest.py
+    from conftest import RedisServer  # tests/conftest.py
 
 NS = bytes(range(16))
 

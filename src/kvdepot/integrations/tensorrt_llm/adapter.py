@@ -10,6 +10,14 @@ Scheduler (rank 0)                               Worker (every rank)
   request_finished -> True while saves run         wait_for_save -> engine.store (store stream)
                                                    get_finished -> requests whose saves completed
 Blocks move whole (all layers at once), so the per-layer hooks have nothing to do.
+
+A hit in host memory loads synchronously in ``start_load_kv``. Chunks found only on disk or in
+Redis are promoted into host memory in the background; the scheduler never waits for them.
+With ``lower_tier_hits: prefetch`` (default) this request counts only the host part and later
+requests hit the promoted chunks: a load can never be promised bytes that then fail to arrive.
+With ``lower_tier_hits: async`` the request is promised the whole hit with ``is_async=True``:
+TensorRT-LLM parks it, and the worker loads and reports it through ``get_finished`` once the
+promotion is done.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class _SchedRequest:
     sent_keys: int = 0
     sent_blocks: int = 0
     load: tuple[int, int] | None = None  # (skip_blocks, num_blocks) not yet sent to the workers
+    load_async: bool = False  # the load waits for a promotion from a lower tier
     saved_upto: int = 0  # chunks the workers were told to save
     known: bool = False  # the workers hold state for it
 
@@ -78,18 +87,21 @@ class KvDepotConnectorScheduler(KvCacheConnectorScheduler):
             engine.release(rid)
         state = _SchedRequest(getattr(request, "prompt_len", len(tokens)), tokens, engine.chunk_keys(tokens))
         self._requests[rid] = state
-        cached = engine.lookup(keys=state.keys, skip_tokens=num_computed_tokens, lease=rid)
+        hit = engine.probe(keys=state.keys, skip_tokens=num_computed_tokens, lease=rid)
+        usable = hit.tokens if engine.config.lower_tier_hits == "async" else hit.host_tokens
         # Leave at least one prompt token to compute (TensorRT-LLM checks prepopulated < prompt_len).
         limit = (state.prompt_len - 1) // self._block * self._block
-        matched = max(0, min(cached, limit) - num_computed_tokens) // self._block * self._block
+        matched = max(0, min(usable, limit) - num_computed_tokens) // self._block * self._block
         if matched:
             state.load = (num_computed_tokens // self._block, matched // self._block)
+            state.load_async = num_computed_tokens + matched > hit.host_tokens
         else:
             engine.release(rid)
         logger.info(
-            "lookup req=%s trt_matched=%d cached=%d new_matched=%d", rid, num_computed_tokens, cached, matched
+            "lookup req=%s trt_matched=%d cached=%d new_matched=%d%s", rid, num_computed_tokens, hit.tokens,
+            matched, " async" if state.load_async else "",
         )
-        return matched, False
+        return matched, state.load_async
 
     def _refuse_tp(self) -> bool:
         """In-process mode cannot see other ranks' caches, so under TP it never claims a hit."""
@@ -126,6 +138,9 @@ class KvDepotConnectorScheduler(KvCacheConnectorScheduler):
             state.tokens.extend(data.new_tokens)
             state.block_ids.extend(data.new_block_ids)
             self._plan(engine, data.request_id, state, data.computed_position + data.num_scheduled_tokens, meta)
+        for rid, state in self._requests.items():  # parked for an async load: not in the output
+            if state.load is not None and state.load_async and state.block_ids:
+                self._plan(engine, rid, state, 0, meta)
         return meta
 
     def _plan(self, engine: CacheEngine, rid: int, state: _SchedRequest, computed: int, meta: KvDepotMetadata) -> None:
@@ -144,6 +159,7 @@ class KvDepotConnectorScheduler(KvCacheConnectorScheduler):
             new_block_ids=state.block_ids[state.sent_blocks :],
             load_skip_blocks=load[0] if load else 0,
             load_num_blocks=load[1] if load else 0,
+            load_async=state.load_async and load is not None,
             save_upto_chunks=max(upto, state.saved_upto),
         )
         state.sent_keys, state.sent_blocks = len(state.keys), len(state.block_ids)
@@ -181,6 +197,8 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         self._engine: CacheEngine | None = None
         self._requests: dict[int, _WorkerRequest] = {}
         self._finishing: set[int] = set()
+        self._async_loads: dict[int, RequestMeta] = {}  # waiting for their promotion
+        self._loaded: set[int] = set()  # async loads done, not reported yet
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         self._engine = get_or_create_engine(self._llm_args, kv_cache_tensor)
@@ -200,7 +218,9 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
             state = self._requests.setdefault(item.request_id, _WorkerRequest())
             state.keys.extend(item.new_keys)
             state.block_ids.extend(item.new_block_ids)
-            if item.load_num_blocks:
+            if item.load_num_blocks and item.load_async:
+                self._async_loads[item.request_id] = item
+            elif item.load_num_blocks:
                 self._load(item, state, stream)
 
     def _load(self, item: RequestMeta, state: _WorkerRequest, stream: Any) -> None:
@@ -241,8 +261,10 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
-        """Report each finished request once, when every store it issued has completed."""
+        """Report each finished request once, when every store it issued has completed, and each
+        parked request once its promoted chunks are loaded."""
         self._finishing.update(finished_gen_req_ids)
+        loaded = self._progress_async_loads(started_loading_req_ids)
         done = []
         for rid in list(self._finishing):
             state = self._requests.get(rid)
@@ -250,5 +272,19 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
                 done.append(rid)
                 self._finishing.discard(rid)
                 self._requests.pop(rid, None)
-        # Loads are synchronous in start_load_kv, so a started load is already finished.
-        return done, list(started_loading_req_ids)
+        return done, loaded
+
+    def _progress_async_loads(self, started: list[int]) -> list[int]:
+        """Load the parked requests whose promotion finished (on the current stream's order)."""
+        assert self._engine is not None or not self._async_loads
+        for rid, item in list(self._async_loads.items()):
+            if self._engine is not None and self._engine.promotion_done(rid):
+                del self._async_loads[rid]
+                self._load(item, self._requests[rid], None)
+                self._loaded.add(rid)
+        self._started = getattr(self, "_started", set()) | set(started)
+        ready = [rid for rid in self._loaded if rid in self._started]
+        for rid in ready:
+            self._loaded.discard(rid)
+            self._started.discard(rid)
+        return ready

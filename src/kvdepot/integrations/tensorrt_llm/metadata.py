@@ -20,6 +20,7 @@ class RequestMeta:
     new_block_ids: list[int] = field(default_factory=list)  # appended to the worker's block list
     load_skip_blocks: int = 0  # load blocks [skip, skip + num) of the request ...
     load_num_blocks: int = 0  # ... (0: nothing to load this step)
+    load_async: bool = False  # parked by TensorRT-LLM: load when promoted, report via get_finished
     save_upto_chunks: int = 0  # the request's first N chunks are computed: save those not saved yet
 
 
