@@ -31,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvdepot.config import DepotConfig
 from kvdepot.errors import ConfigError
