@@ -17,6 +17,7 @@ from kvdepot.errors import KVDepotError
 BENCHES = {
     "transfer": ("kvdepot.bench.transfer", "store/retrieve GB/s of whole blocks vs pinned memcpy, same run"),
     "lookup": ("kvdepot.bench.lookup", "time to key and look up a long prompt (CPU)"),
+    "ttft": ("kvdepot.bench.ttft", "TTFT of recompute vs a kvdepot hit in the reference runtime, and miss overhead"),
 }
 
 

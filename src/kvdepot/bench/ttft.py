@@ -1,0 +1,161 @@
+"""``kvdepot bench ttft``: time to first token of the reference runtime with kvdepot connected.
+
+Per prompt length L (a Llama-3.1-8B-shaped model with random bf16 weights by default):
+
+    recompute      prompt A computed from scratch (a miss: kvdepot saves it meanwhile)
+    kvdepot hit    A again after a filler prompt evicted it from the engine's pool
+    device hit     A once more, still in the engine's pool: one forward over the last block
+
+and the target the issue sets, from figures measured in this run:
+``bound = 1.2 x KV bytes / memcpy GB/s + device-hit TTFT``. A 0%-reuse run (distinct prompts)
+with and without the connector gives the miss overhead on TTFT and on decode throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+from pathlib import Path
+
+import torch
+
+from kvdepot.bench.common import device_name, memcpy_ceiling, print_table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--model", default="llama-8b" if cuda else "small", help="runtime preset or checkpoint dir")
+    parser.add_argument("--lengths", default="4096,16384,32768" if cuda else "1024,2048", help="prompt lengths")
+    parser.add_argument("--miss-prompts", type=int, default=4, help="distinct prompts in the 0%%-reuse run")
+    parser.add_argument("--miss-length", type=int, default=4096 if cuda else 512)
+    parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens in the 0%%-reuse run")
+    parser.add_argument("--plot", default=None, help="write a PNG of TTFT vs prompt length here")
+    parser.add_argument("--json", default=None, help="write the rows as JSON here")
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _engine(args: argparse.Namespace, max_tokens: int, connected: bool):
+    from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorScheduler, KvDepotConnectorWorker
+    from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
+
+    llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=max_tokens))
+    connector = (KvDepotConnectorScheduler, KvDepotConnectorWorker) if connected else None
+    return Engine(args.model, device=args.device, llm_args=llm_args, connector=connector, seed=0)
+
+
+def _hits(args: argparse.Namespace, lengths: list[int], h2d: float) -> list[dict]:
+    from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
+
+    destroy_engine()
+    pool = max(lengths) + 64
+    eng = _engine(args, pool, connected=True)
+    vocab = eng.model.config.vocab_size
+    kv_per_token = eng.pool[0].numel() * eng.pool.element_size() / eng.tokens_per_block
+    eng.generate([_prompt(min(512, pool - 64), 7, vocab)], 1)  # warm-up: kernels, allocator, streams
+    rows = []
+    for i, n in enumerate(lengths):
+        a = _prompt(n, 100 + i, vocab)
+        miss = eng.generate([a], 1)[0]
+        eng.generate([_prompt(pool - 1, 200 + i, vocab)], 1)  # evicts A from the engine's pool
+        hit = eng.generate([a], 1)[0]
+        device = eng.generate([a], 1)[0]
+        loaded = hit.num_connector_matched_tokens
+        bound = 1.2 * loaded * kv_per_token / (h2d * 1e9) + device.ttft_s
+        rows.append({
+            "prompt": n,
+            "recompute ms": miss.ttft_s * 1e3,
+            "kvdepot hit ms": hit.ttft_s * 1e3,
+            "device hit ms": device.ttft_s * 1e3,
+            "tokens loaded": loaded,
+            "KV MB": loaded * kv_per_token / 1e6,
+            "bound ms": bound * 1e3,
+            "hit/bound": hit.ttft_s / bound,
+            "speed-up": miss.ttft_s / hit.ttft_s,
+            "identical": hit.output_ids == miss.output_ids,
+        })
+    stats = current_engine().stats()
+    destroy_engine()
+    del eng
+    _free()
+    assert stats.live_leases == 0, stats
+    return rows
+
+
+def _misses(args: argparse.Namespace) -> list[dict]:
+    from kvdepot.integrations.tensorrt_llm.utils import destroy_engine
+
+    rows = []
+    for connected in (False, True):
+        destroy_engine()
+        eng = _engine(args, args.miss_length + args.decode_tokens + 64, connected)
+        vocab = eng.model.config.vocab_size
+        eng.generate([_prompt(min(512, args.miss_length), 7, vocab)], 2)  # warm-up
+        results = eng.generate_sequential(
+            [_prompt(args.miss_length, 300 + i, vocab) for i in range(args.miss_prompts)], args.decode_tokens)
+        ttft = statistics.median(r.ttft_s for r in results)
+        decode = statistics.median((args.decode_tokens - 1) / (r.latency_s - r.ttft_s) for r in results)
+        rows.append({"connector": connected, "prompt": args.miss_length, "TTFT ms": ttft * 1e3, "decode tok/s": decode})
+        destroy_engine()
+        del eng
+        _free()
+    base, conn = rows
+    base["TTFT overhead"], base["decode overhead"] = None, None
+    conn["TTFT overhead"] = conn["TTFT ms"] / base["TTFT ms"] - 1
+    conn["decode overhead"] = 1 - conn["decode tok/s"] / base["decode tok/s"]
+    return rows
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _plot(rows: list[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(no plot: matplotlib is not installed; {path} not written)")
+        return
+    xs = [r["prompt"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("recompute ms", "recompute"), ("kvdepot hit ms", "kvdepot hit (host memory)"),
+                       ("bound ms", "target bound"), ("device hit ms", "one forward over the last block")):
+        ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    h2d, d2h = memcpy_ceiling(256 << 20, device, 5)
+    title = f"kvdepot bench ttft — {args.model} on {device_name(device)}, memcpy H2D {h2d:.1f} GB/s D2H {d2h:.1f} GB/s"
+    hits = _hits(args, lengths, h2d)
+    print_table(title, hits)
+    misses = _misses(args)
+    print_table(f"0% reuse: {args.miss_prompts} distinct prompts of {args.miss_length} tokens, {args.decode_tokens} new tokens each", misses)
+    if args.plot:
+        _plot(hits, args.plot, title)
+    result = {"title": title, "hits": hits, "misses": misses}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
+# then the benchmarks. Usage (device tool, carry .whl): bash tools/h200_run.sh [steps...]
+# steps: tests transfer demo ttft mp (default: all). Output lands in $OUT.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 KVDEPOT_LOG_LEVEL=WARNING
+steps=${*:-tests transfer demo ttft mp}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+for step in $steps; do
+  echo "=== $step ($(date +%T))"
+  case $step in
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
+    transfer)
+      { python3 -m kvdepot.cli bench transfer
+        python3 -m kvdepot.cli bench transfer --tokens-per-block 8
+        python3 -m kvdepot.cli bench transfer --layers 16 --head-dim 64
+        python3 -m kvdepot.cli bench transfer --layers 16 --head-dim 64 --tokens-per-block 8 --blocks 512
+      } 2>&1 | tee "$OUT/transfer.txt" ;;
+    demo) python3 -m kvdepot.cli demo --model llama-1b --prompt-tokens 8192 2>&1 | tee "$OUT/demo.txt" ;;
+    ttft) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --plot "$OUT/ttft.png" --json "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.txt" ;;
+    mp) python3 -m kvdepot.cli bench mp 2>&1 | tee "$OUT/mp.txt" ;;
+  esac
+done
