@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,7 @@ from kvdepot.storage.base import TierStats
 from kvdepot.storage.host import HostTier
 from kvdepot.storage.manager import TierManager
 from kvdepot.transfer import MOVERS
-from kvdepot.transfer.base import BlockMover
+from kvdepot.transfer.base import BlockMover, ChunkCopy
 
 logger = logging.getLogger("kvdepot")
 # Blocks at least this large already run a single DMA near the PCIe ceiling; smaller ones are
@@ -132,6 +132,8 @@ class CacheEngine:
             self.config.disk_path or self.config.remote_url) else None
         self._promotions: dict[Any, Future[int]] = {}  # by lease, until its load takes it
         self._promoting: set[Future[int]] = set()  # every promotion still running
+        self._grower: ThreadPoolExecutor | None = None  # pins the next arena segment ahead of need
+        self._growing = False
         self._lock = threading.RLock()
         self._views: list[torch.Tensor] = []
         self._pool: torch.Tensor | None = None
@@ -170,6 +172,7 @@ class CacheEngine:
             self.layout = layout
             self._pool = pool
             self._views = [pool.view(torch.uint8).reshape(layout.num_blocks, -1)]
+            self._grow_ahead_locked()
             if pool.is_cuda:
                 # Three distinct streams from torch's pool: store, load, and a spare used when the
                 # caller's own stream happens to be one of ours (torch hands pool streams out in
@@ -322,12 +325,12 @@ class CacheEngine:
                 if slot is not None:
                     placed.append((keys[c], slot, [block_ids[p] for p in self.layout.chunk_blocks(c)]))
             self._stats.dropped_stores = self.host.stats().dropped
+            self._grow_ahead_locked()
         if not placed:
             return StoreHandle(self, 0, None)
 
         def copy() -> None:
-            for _key, slot, ids in placed:
-                self.mover.gather(self._views, ids, slot)
+            self.mover.gather_many(self._views, [ChunkCopy(ids, slot) for _key, slot, ids in placed])
 
         def commit() -> None:
             for key, _slot, _ids in placed:
@@ -408,8 +411,7 @@ class CacheEngine:
             return skip_blocks * B
 
         def copy() -> None:
-            for slot, ids, first in plan:
-                self.mover.scatter(slot, self._views, ids, first)
+            self.mover.scatter_many([ChunkCopy(ids, slot, first) for slot, ids, first in plan], self._views)
 
         self._run(copy, lambda: self.host.release(pin), stream, store=False)
         with self._lock:
@@ -417,6 +419,30 @@ class CacheEngine:
             self._stats.bytes_loaded += loaded_blocks * self.layout.bytes_per_block
             self._stats.load_seconds += time.perf_counter() - started
         return (skip_blocks + loaded_blocks) * B
+
+    # ---- arena growth ------------------------------------------------------------------------
+    def _grow_ahead_locked(self) -> None:
+        """Pin the next arena segment on a helper thread before the free slots run out.
+
+        cudaHostAlloc runs at a few GB/s; done inline, the store that finds the arena full would
+        stall the engine's step for the whole allocation.
+        """
+        if self._growing or not self.host.wants_segment():
+            return
+        self._growing = True
+        if self._grower is None:
+            self._grower = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-arena")
+        self._grower.submit(self._grow_segment)
+
+    def _grow_segment(self) -> None:
+        try:
+            segment = self.host.allocate_segment()  # slow, so outside the lock; adoption re-checks
+            with self._lock:
+                if segment is not None:
+                    self.host.add_segment(segment)
+        finally:
+            with self._lock:
+                self._growing = False
 
     # ---- in-flight transfers ----------------------------------------------------------------
     def _run(
@@ -532,6 +558,9 @@ class CacheEngine:
         """Finish transfers, then drain write-behind and join the tier threads (outside the lock:
         write-behind providers take it)."""
         self.wait_all()
+        if self._grower is not None:
+            self._grower.shutdown(wait=True)
+            self._grower = None
         for future in list(self._promoting):
             future.cancel()
         self._promotions.clear()

@@ -135,13 +135,13 @@ def test_partial_device_hit_loads_only_the_rest(caplog: pytest.LogCaptureFixture
     eng.generate([prompt(1000, 31)], 4)  # frees A's tail first, so the tail is what gets evicted
     written: list[int] = []
     depot = current_engine()
-    scatter = depot.mover.scatter
+    scatter_many = depot.mover.scatter_many
 
-    def recording_scatter(src, views, block_ids, first=0):
-        written.extend(block_ids)
-        return scatter(src, views, block_ids, first)
+    def recording_scatter_many(copies, views):
+        written.extend(b for c in copies for b in c.block_ids)
+        return scatter_many(copies, views)
 
-    monkeypatch.setattr(depot.mover, "scatter", recording_scatter)
+    monkeypatch.setattr(depot.mover, "scatter_many", recording_scatter_many)
     again = eng.generate([a], 4)[0]
     trt, _cached, new = lookups(caplog)[again.request_id]
     assert trt > 0 and new > 0 and trt + new == 1024 - TPB

@@ -30,8 +30,9 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, reps: int, warmu
     return statistics.median(times)
 
 
-def memcpy_ceiling(nbytes: int, device: torch.device, reps: int) -> tuple[float, float]:
-    """GB/s of one plain copy of ``nbytes`` host->device and device->host (pinned when CUDA).
+def memcpy_ceiling(nbytes: int, device: torch.device, reps: int) -> tuple[float, float, float]:
+    """GB/s of plain copies of ``nbytes``: host->device, device->host (pinned when CUDA), and both
+    directions at once on two streams (total bytes over time; NaN on CPU).
 
     On a CPU-only machine both directions are a host memcpy of the same size.
     """
@@ -41,7 +42,20 @@ def memcpy_ceiling(nbytes: int, device: torch.device, reps: int) -> tuple[float,
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     h2d = median_seconds(lambda: dev.copy_(host, non_blocking=True), device, reps)
     d2h = median_seconds(lambda: host.copy_(dev, non_blocking=True), device, reps)
-    return nbytes / h2d / 1e9, nbytes / d2h / 1e9
+    if device.type != "cuda":
+        return nbytes / h2d / 1e9, nbytes / d2h / 1e9, float("nan")
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def both() -> None:
+        with torch.cuda.stream(up):
+            dev.copy_(host, non_blocking=True)
+        with torch.cuda.stream(down):
+            host2.copy_(dev2, non_blocking=True)
+
+    both_s = median_seconds(both, device, reps)
+    return nbytes / h2d / 1e9, nbytes / d2h / 1e9, 2 * nbytes / both_s / 1e9
 
 
 def print_table(title: str, rows: Sequence[dict[str, Any]]) -> None:

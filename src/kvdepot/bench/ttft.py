@@ -43,7 +43,10 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
 
 
 def _engine(args: argparse.Namespace, max_tokens: int, connected: bool):
-    from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorScheduler, KvDepotConnectorWorker
+    from kvdepot.integrations.tensorrt_llm.adapter import (
+        KvDepotConnectorScheduler,
+        KvDepotConnectorWorker,
+    )
     from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
 
     llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=max_tokens))
@@ -79,7 +82,8 @@ def _hits(args: argparse.Namespace, lengths: list[int], h2d: float) -> list[dict
             "bound ms": bound * 1e3,
             "hit/bound": hit.ttft_s / bound,
             "speed-up": miss.ttft_s / hit.ttft_s,
-            "identical": hit.output_ids == miss.output_ids,
+            "hit==device bitwise": bool(torch.equal(hit.logits[0], device.logits[0])),
+            "tokens==recompute": hit.output_ids == miss.output_ids,
         })
     stats = current_engine().stats()
     destroy_engine()
@@ -147,7 +151,7 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     lengths = [int(x) for x in args.lengths.split(",")]
-    h2d, d2h = memcpy_ceiling(256 << 20, device, 5)
+    h2d, d2h, _both = memcpy_ceiling(256 << 20, device, 5)
     title = f"kvdepot bench ttft — {args.model} on {device_name(device)}, memcpy H2D {h2d:.1f} GB/s D2H {d2h:.1f} GB/s"
     hits = _hits(args, lengths, h2d)
     print_table(title, hits)

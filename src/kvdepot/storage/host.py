@@ -74,17 +74,35 @@ class HostTier:
         segment, offset = divmod(index, self._per_segment)
         return self._segments[segment][offset]
 
-    def _grow(self) -> bool:
+    def next_segment_shape(self) -> tuple[int, int] | None:
+        """Shape of the segment that would back the next slots, or None when the arena is full size."""
         if self._allocated >= self.num_slots:
-            return False
+            return None
         count = min(self._per_segment, self.num_slots - self._allocated)
-        shape = (self._per_segment, self.slot_bytes)  # full segments keep divmod addressing
-        if count < self._per_segment:
-            shape = (count, self.slot_bytes)
-        self._segments.append(torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory))
+        return (count, self.slot_bytes)  # only the last segment is short: divmod addressing holds
+
+    def wants_segment(self) -> bool:
+        """Free slots are running low and the arena may still grow: allocate ahead (off-thread)."""
+        return len(self._free) < max(1, self._per_segment // 2) and self.next_segment_shape() is not None
+
+    def allocate_segment(self) -> torch.Tensor | None:
+        """Memory for the next segment. Pinning is slow (~GB/s), so callers may run this off-lock."""
+        shape = self.next_segment_shape()
+        return None if shape is None else torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def add_segment(self, segment: torch.Tensor) -> bool:
+        """Adopt memory from ``allocate_segment``; refused if it no longer fits the arena."""
+        if self.next_segment_shape() != tuple(segment.shape):
+            return False
+        count = segment.shape[0]
+        self._segments.append(segment)
         self._free.extend(range(self._allocated + count - 1, self._allocated - 1, -1))
         self._allocated += count
         return True
+
+    def _grow(self) -> bool:
+        segment = self.allocate_segment()
+        return segment is not None and self.add_segment(segment)
 
     def _evict_one(self) -> bool:
         self.expire_leases()  # NOTE: pins of timed-out leases must not keep a full arena full

@@ -10,6 +10,9 @@ Primitives (all enqueue on the *current* CUDA stream for CUDA pools; synchronous
     gather(views, block_ids, dst, first)    pool blocks -> host buffer positions first.. (a store)
     scatter(src, views, block_ids, first)   host buffer positions first.. -> pool blocks (a load)
 ``first`` lets a load start inside a chunk (blocks the engine already holds are skipped).
+    gather_many(views, copies) / scatter_many(copies, views)
+                                            the same for many chunks in one call, so a mover can
+                                            batch them (one gather kernel, coalesced copies)
 Postconditions: exactly the listed blocks are read or written, in list order; no other byte
 of the pool is touched. Callers validate block ids before calling.
 """
@@ -17,9 +20,19 @@ of the pool is touched. Callers validate block ids before calling.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+
+@dataclass(frozen=True)
+class ChunkCopy:
+    """One chunk's part of a batched move: pool blocks <-> block positions ``first..`` of ``host``."""
+
+    block_ids: Sequence[int]
+    host: torch.Tensor  # 1-D uint8 chunk buffer, view-major
+    first: int = 0
 
 
 class BlockMover(Protocol):
@@ -36,6 +49,26 @@ class BlockMover(Protocol):
     ) -> None:
         """Copy block positions ``first..`` of host buffer ``src`` into ``pool[block_ids]``."""
         ...
+
+    def gather_many(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> None:
+        """``gather`` for every copy (a store of many chunks)."""
+        ...
+
+    def scatter_many(self, copies: Sequence[ChunkCopy], views: Sequence[torch.Tensor]) -> None:
+        """``scatter`` for every copy (a load of many chunks)."""
+        ...
+
+
+class PerChunk:
+    """``*_many`` as a loop over chunks, for movers with nothing to gain from batching."""
+
+    def gather_many(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> None:
+        for c in copies:
+            self.gather(views, c.block_ids, c.host, c.first)  # type: ignore[attr-defined]
+
+    def scatter_many(self, copies: Sequence[ChunkCopy], views: Sequence[torch.Tensor]) -> None:
+        for c in copies:
+            self.scatter(c.host, views, c.block_ids, c.first)  # type: ignore[attr-defined]
 
 
 def view_regions(views: Sequence[torch.Tensor], buf: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

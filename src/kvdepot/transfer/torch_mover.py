@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 import torch
 
-from kvdepot.transfer.base import block_runs, view_regions
+from kvdepot.transfer.base import PerChunk, block_runs, view_regions
 
 
-class TorchBlockMover:
+class TorchBlockMover(PerChunk):
     """The reference mover: correct on every device, fast for large blocks on CUDA."""
 
     def gather(

@@ -1,0 +1,164 @@
+"""``kvdepot bench mp``: multi-process mode against its references, measured in one run:
+
+    memcpy          one plain pinned copy of the same bytes (host<->GPU; a host memcpy on CPU)
+    in-process      CacheEngine.store / retrieve on the pool
+    multi-process   a ``kvdepot server`` subprocess copying in/out of the mapped pool
+    lookup rtt      LOOKUP round trips over the ipc:// socket: p50 / p99 in microseconds
+
+    run(args) -> list[dict]      one row per measurement, with ratios to memcpy and in-process
+
+``args`` is the namespace of ``add_arguments``; attributes it lacks take the defaults, so
+``run(argparse.Namespace())`` works. On CPU the pool is a shared file the server maps (numbers
+are lower). Blocks are picked in random order, as a real prefix lands in a fragmented pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvdepot.bench.common import device_name, median_seconds, memcpy_ceiling, print_table
+from kvdepot.config import load_config
+from kvdepot.engine import CacheEngine
+from kvdepot.layout import PoolLayout
+from kvdepot.server import protocol as p
+from kvdepot.server import wire as w
+from kvdepot.server.client import DepotClient
+from kvdepot.server.ipc import shared_cpu_pool
+from kvdepot.server.remote import RemoteEngine
+
+DEFAULTS: dict[str, Any] = {"device": "cuda" if torch.cuda.is_available() else "cpu", "layers": 32, "kv_heads": 8,
+                            "head_dim": 128, "tokens_per_block": 32, "chunk_size": 256, "blocks": None, "reps": 5,
+                            "lookups": 2000}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=DEFAULTS["device"], choices=("cpu", "cuda"))
+    for name in ("layers", "kv_heads", "head_dim", "tokens_per_block", "chunk_size", "reps"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=DEFAULTS[name])
+    parser.add_argument("--blocks", type=int, default=None, help="blocks moved per operation (default: 64 on CUDA, 16 on CPU)")
+    parser.add_argument("--lookups", type=int, default=DEFAULTS["lookups"], help="LOOKUP round trips timed")
+
+
+def _opt(args: Any, name: str) -> Any:
+    value = getattr(args, name, None)
+    return DEFAULTS[name] if value is None else value
+
+
+def run(args: Any) -> list[dict]:
+    device = torch.device(_opt(args, "device"))
+    B, reps = _opt(args, "tokens_per_block"), _opt(args, "reps")
+    bpc = _opt(args, "chunk_size") // B
+    moved = _opt(args, "blocks") or (64 if device.type == "cuda" else 16)
+    moved -= moved % bpc
+    elems = _opt(args, "kv_heads") * B * _opt(args, "head_dim")
+    shape = (moved * 2, _opt(args, "layers"), 2, elems)
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
+    server: subprocess.Popen | None = None
+    client: DepotClient | None = None
+    try:
+        pool = (torch.empty(shape, dtype=torch.bfloat16, device=device) if device.type == "cuda"
+                else shared_cpu_pool(str(workdir / "pool"), shape, torch.bfloat16))
+        pool.view(torch.int16).random_(-(2**15), 2**15 - 1)
+        layout = PoolLayout.from_pool(pool, B, bpc * B)
+        nbytes = moved * layout.bytes_per_block
+        config = load_config(chunk_size=bpc * B, host_capacity_gb=nbytes * (reps + 3) / 1e9)
+        h2d, d2h = memcpy_ceiling(nbytes, device, reps)
+        engine = CacheEngine(layout, config)
+        engine.register_pool(pool)
+        local = _rates(engine, moved, device, reps)
+        engine.close()
+        url = f"ipc://{workdir}/bench.sock"
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kvdepot.server", "--url", url, "--chunk-size", str(bpc * B),
+             "--host-capacity-gb", repr(config.host_capacity_gb), "--log-level", "WARNING"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = DepotClient(url, timeout_s=30.0, name="bench", connect=False)
+        deadline = time.monotonic() + 120
+        while not client.connect():
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("the kvdepot server did not start for the benchmark")
+            time.sleep(0.2)
+        remote = RemoteEngine(client, pool, B, model_id="bench", config=config)
+        multi = _rates(remote, moved, device, reps)
+        rtt = _lookup_rtt(client, remote.chunk_keys(list(range(moved * B))), _opt(args, "lookups"))
+        remote.close()
+    finally:
+        if client is not None:
+            client.close()
+        if server is not None:
+            with contextlib.suppress(ProcessLookupError):
+                server.send_signal(signal.SIGTERM)
+            server.wait(30)
+        shutil.rmtree(workdir, ignore_errors=True)
+    def row(mode: str, op: str, **figures: Any) -> dict[str, Any]:
+        base = {"device": device_name(device), "block MiB": layout.bytes_per_block / 2**20, "blocks": moved,
+                "mode": mode, "op": op, "pool": None, "GB/s": None, "ratio": None, "vs in-process": None,
+                "p50 us": None, "p99 us": None}
+        return {**base, **figures}
+
+    rows = []
+    for op, ceiling in (("store", d2h), ("retrieve", h2d)):
+        rows.append(row("memcpy", op, **{"GB/s": ceiling, "ratio": 1.0}))
+        rows.append(row("in-process", op, **{"GB/s": local[op], "ratio": local[op] / ceiling, "vs in-process": 1.0}))
+        rows.append(row("multi-process", op, pool=remote.exported.kind, **{
+            "GB/s": multi[op], "ratio": multi[op] / ceiling, "vs in-process": multi[op] / local[op]}))
+    rows.append(row("multi-process", "lookup rtt", **rtt))
+    print_table(f"kvdepot bench mp — {device_name(device)}", rows)
+    return rows
+
+
+def _rates(engine: Any, moved: int, device: torch.device, reps: int) -> dict[str, float]:
+    """Store fresh chunks from random blocks; load stored ones into other random blocks."""
+    rng, counter = random.Random(0), iter(range(1 << 40))
+    rows = engine.pool.shape[0] if hasattr(engine, "pool") else engine.layout.num_blocks
+    B = engine.layout.tokens_per_block
+    stored: list[list[bytes]] = []
+
+    def store() -> None:
+        keys = engine.chunk_keys([next(counter) % 100_000 for _ in range(moved * B)])
+        engine.store(None, rng.sample(range(rows), moved), keys=keys).wait()
+        stored.append(keys)
+
+    def retrieve() -> None:
+        engine.retrieve(None, rng.sample(range(rows), moved), keys=stored[rng.randrange(len(stored))])
+
+    nbytes = moved * engine.layout.bytes_per_block
+    store_s = median_seconds(store, device, reps)
+    load_s = median_seconds(retrieve, device, reps)
+    return {"store": nbytes / store_s / 1e9, "retrieve": nbytes / load_s / 1e9}
+
+
+def _lookup_rtt(client: DepotClient, keys: list[bytes], n: int) -> dict[str, Any]:
+    blob, samples = w.join_keys(keys), []
+    for i in range(n):
+        started = time.perf_counter()
+        client.call(p.Lookup(i, blob))
+        samples.append((time.perf_counter() - started) * 1e6)
+        client.submit(p.Release(i))
+    samples.sort()
+    return {"p50 us": samples[n // 2], "p99 us": samples[min(n - 1, n * 99 // 100)]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvdepot bench mp", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
