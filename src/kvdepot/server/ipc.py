@@ -1,0 +1,295 @@
+"""Sharing a worker's KV pool with the server: CUDA IPC, a shared file, or bytes on the socket.
+
+Client side:  export_pool(pool, mode) -> ExportedPool   (descriptor for REGISTER + ordering events)
+Server side:  open_pool(desc, shape, dtype, allow_shm) -> MappedPool   (a torch view of the pool)
+
+CUDA: TensorRT-LLM's pool is a raw ``cudaMalloc`` buffer, not a torch allocation, so torch's own
+sharing cannot export it. We export the *allocation base* (``cuMemGetAddressRange``) with
+``cudaIpcGetMemHandle`` plus the pool's offset in it; the server opens it with
+``cudaIpcOpenMemHandle`` and wraps it with cupy's ``UnownedMemory`` + ``torch.from_dlpack``.
+Two interprocess events order the copies (created ``DisableTiming | Interprocess``):
+``to_server`` is recorded by the client on its forward stream before each STORE/RETRIEVE and
+waited on by the server's stream before copying; ``to_client`` is recorded by the server after
+a load and waited on by the client's forward stream once the reply is in. cuda-python and cupy
+are imported lazily, so CPU-only installs never need them.
+
+CPU: a pool inside a shared file (``torch.from_file(path, shared=True)``, e.g. /dev/shm) is
+mapped by path + offset; any other CPU pool sends its blocks over the socket ("bytes").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import warnings
+from typing import Any
+
+import torch
+
+from kvdepot.errors import KVDepotError
+from kvdepot.server.protocol import BytesPool, CudaIpcPool, PoolDesc, ShmPool
+
+logger = logging.getLogger("kvdepot")
+
+_IPC_HANDLE_BYTES = 64
+
+
+class IpcError(KVDepotError):
+    """A pool could not be shared or mapped (no cuda-python, bad handle, file not ours, …)."""
+
+
+def _cuda() -> tuple[Any, Any]:
+    try:
+        from cuda.bindings import driver, runtime
+    except ImportError as exc:
+        raise IpcError(f"CUDA IPC needs cuda-python ('pip install cuda-bindings'): {exc}") from None
+    return runtime, driver
+
+
+def _check(result: tuple, what: str) -> Any:
+    err = result[0]
+    if int(err) != 0:
+        raise IpcError(f"{what} failed: {getattr(err, 'name', err)}")
+    return result[1] if len(result) == 2 else result[1:] if len(result) > 2 else None
+
+
+def device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_by_uuid(uuid: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if device_uuid(index) == uuid:
+            return index
+    raise IpcError(f"GPU {uuid} is not visible to the server (check CUDA_VISIBLE_DEVICES)")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
+        raise IpcError(f"dtype {name!r} is not a KV cache dtype")
+    return dtype
+
+
+def _interprocess_event(runtime: Any) -> tuple[Any, bytes]:
+    flags = runtime.cudaEventDisableTiming | runtime.cudaEventInterprocess
+    event = _check(runtime.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
+    handle = _check(runtime.cudaIpcGetEventHandle(event), "cudaIpcGetEventHandle")
+    return event, bytes(handle.reserved)
+
+
+def _stream_ptr(stream: Any, device: torch.device) -> int:
+    return int((stream if stream is not None else torch.cuda.current_stream(device)).cuda_stream)
+
+
+# ---- client side ----------------------------------------------------------------------------------
+class ExportedPool:
+    """The client's half of a shared pool: the REGISTER descriptor and the ordering events."""
+
+    def __init__(self, pool: torch.Tensor, desc: PoolDesc, events: tuple[Any, Any] | None = None) -> None:
+        self.pool, self.desc, self._events = pool, desc, events
+        self.kind = {CudaIpcPool: "cuda", ShmPool: "shm", BytesPool: "bytes"}[type(desc)]
+
+    def before_copy(self, stream: Any) -> bool:
+        """Record ``to_server`` on the caller's stream: the server's copy starts after it."""
+        if self._events is None:
+            return False
+        runtime, _ = _cuda()
+        _check(runtime.cudaEventRecord(self._events[0], _stream_ptr(stream, self.pool.device)), "cudaEventRecord")
+        return True
+
+    def after_load(self, stream: Any) -> None:
+        """Make the caller's stream wait for the server's load (call once its reply is in)."""
+        if self._events is not None:
+            runtime, _ = _cuda()
+            ptr = _stream_ptr(stream, self.pool.device)
+            _check(runtime.cudaStreamWaitEvent(ptr, self._events[1], 0), "cudaStreamWaitEvent")
+
+    def close(self) -> None:
+        if self._events is not None:
+            runtime, _ = _cuda()
+            for event in self._events:
+                runtime.cudaEventDestroy(event)
+            self._events = None
+
+
+def export_pool(pool: torch.Tensor, mode: str = "auto") -> ExportedPool:
+    """Describe how the server can reach ``pool``; "auto" picks IPC/shared file, else bytes."""
+    if mode not in ("auto", "ipc", "shm", "bytes"):
+        raise IpcError(f"pool sharing mode {mode!r} is not one of auto, ipc, shm, bytes")
+    if mode == "bytes":
+        return ExportedPool(pool, BytesPool())
+    try:
+        if pool.is_cuda and mode in ("auto", "ipc"):
+            return _export_cuda(pool)
+        if not pool.is_cuda and mode in ("auto", "shm"):
+            return _export_shm(pool)
+        raise IpcError(f"mode {mode!r} does not fit a {pool.device.type} pool")
+    except IpcError as exc:
+        if mode != "auto":
+            raise
+        log = logger.warning if pool.is_cuda else logger.info  # a plain CPU pool is the expected case
+        log("kvdepot: %s; the pool's blocks travel over the socket", exc)
+        return ExportedPool(pool, BytesPool())
+
+
+def _export_cuda(pool: torch.Tensor) -> ExportedPool:
+    runtime, driver = _cuda()
+    index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
+    with torch.cuda.device(index):
+        _check(driver.cuInit(0), "cuInit")
+        base, size = _check(driver.cuMemGetAddressRange(pool.data_ptr()), "cuMemGetAddressRange")
+        handle = _check(runtime.cudaIpcGetMemHandle(int(base)), "cudaIpcGetMemHandle")
+        to_server, to_server_handle = _interprocess_event(runtime)
+        to_client, to_client_handle = _interprocess_event(runtime)
+    desc = CudaIpcPool(
+        mem_handle=bytes(handle.reserved), offset=pool.data_ptr() - int(base), alloc_bytes=int(size),
+        device_uuid=device_uuid(index), to_server_event=to_server_handle, to_client_event=to_client_handle,
+    )
+    return ExportedPool(pool, desc, (to_server, to_client))
+
+
+def _export_shm(pool: torch.Tensor) -> ExportedPool:
+    storage = pool.untyped_storage()
+    path = getattr(storage, "filename", None)
+    if not path:
+        raise IpcError("CPU pool is not in a shared file (allocate it with shared_cpu_pool or torch.from_file)")
+    return ExportedPool(pool, ShmPool(path=str(path), offset=pool.data_ptr() - storage.data_ptr()))
+
+
+def frame_tensor(buf: Any) -> torch.Tensor:
+    """A uint8 tensor over a received (read-only) frame, without a copy; callers only read it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(buf, dtype=torch.uint8)
+
+
+def shared_cpu_pool(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU pool in the shared file ``path`` (created 0600), mappable by the server."""
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for dim in shape:
+        nbytes *= dim
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    flat = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return flat.view(dtype).view(shape)
+
+
+# ---- server side ----------------------------------------------------------------------------------
+class MappedPool:
+    """The server's view of a worker's pool; ``tensor`` is None for "bytes" pools."""
+
+    def __init__(self, kind: str, tensor: torch.Tensor | None = None, closer: Any = None,
+                 events: tuple[Any, Any] | None = None) -> None:
+        self.kind, self.tensor, self._closer, self._events = kind, tensor, closer, events
+        self.stream = torch.cuda.Stream(tensor.device) if tensor is not None and tensor.is_cuda else None
+
+    def wait_client(self, synced: bool) -> None:
+        """Order the server's next copy after the client's ``to_server`` record."""
+        if self._events is not None and synced and self.stream is not None:
+            runtime, _ = _cuda()
+            _check(runtime.cudaStreamWaitEvent(int(self.stream.cuda_stream), self._events[0], 0), "cudaStreamWaitEvent")
+
+    def signal_client(self) -> None:
+        """Record ``to_client`` after the enqueued load: the client's stream waits on it."""
+        if self._events is not None and self.stream is not None:
+            runtime, _ = _cuda()
+            _check(runtime.cudaEventRecord(self._events[1], int(self.stream.cuda_stream)), "cudaEventRecord")
+
+    def close(self) -> None:
+        """Unmap. The caller has made sure no copy into or out of the pool is still running."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.tensor, self.stream = None, None
+        closer, self._closer = self._closer, None
+        if closer is not None:
+            closer()
+
+
+def open_pool(desc: PoolDesc, shape: tuple[int, ...], dtype: torch.dtype, *, allow_shm: bool) -> MappedPool:
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for dim in shape:
+        nbytes *= dim
+    if isinstance(desc, BytesPool):
+        return MappedPool("bytes")
+    if isinstance(desc, ShmPool):
+        if not allow_shm:
+            raise IpcError("shared-file pools are accepted on ipc:// servers only (use bytes over TCP)")
+        flat = _map_shm(desc, nbytes)
+        return MappedPool("shm", flat[desc.offset : desc.offset + nbytes].view(dtype).view(shape))
+    return _map_cuda(desc, nbytes, shape, dtype)
+
+
+def _map_shm(desc: ShmPool, nbytes: int) -> torch.Tensor:
+    try:
+        fd = os.open(desc.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise IpcError(f"cannot open shared pool file {desc.path!r}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+        raise IpcError(f"shared pool file {desc.path!r} must be a regular file owned by the server's user")
+    if desc.offset < 0 or desc.offset + nbytes > info.st_size:
+        raise IpcError(f"pool of {nbytes} bytes at offset {desc.offset} does not fit {desc.path!r} ({info.st_size} bytes)")
+    return torch.from_file(desc.path, shared=True, size=info.st_size, dtype=torch.uint8)
+
+
+def _map_cuda(desc: CudaIpcPool, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> MappedPool:
+    if not torch.cuda.is_available():
+        raise IpcError("the client registered a CUDA pool but the server sees no CUDA device")
+    if len(desc.mem_handle) != _IPC_HANDLE_BYTES or desc.offset < 0 or desc.offset + nbytes > desc.alloc_bytes:
+        raise IpcError("CUDA IPC descriptor is malformed (handle size, or offset + pool size past the allocation)")
+    runtime, _ = _cuda()
+    index = device_by_uuid(desc.device_uuid)
+    with torch.cuda.device(index):
+        handle = runtime.cudaIpcMemHandle_t()
+        handle.reserved = desc.mem_handle
+        base = int(_check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
+        events = []
+        try:
+            for blob in (desc.to_server_event, desc.to_client_event):
+                event_handle = runtime.cudaIpcEventHandle_t()
+                event_handle.reserved = blob
+                events.append(_check(runtime.cudaIpcOpenEventHandle(event_handle), "cudaIpcOpenEventHandle"))
+            flat = _wrap_device_memory(base, desc.alloc_bytes, index)
+        except (IpcError, ValueError, TypeError) as exc:
+            for event in events:
+                runtime.cudaEventDestroy(event)
+            runtime.cudaIpcCloseMemHandle(base)
+            raise IpcError(f"mapping the CUDA pool failed: {exc}") from None
+
+    def closer() -> None:
+        with torch.cuda.device(index):
+            for event in events:
+                runtime.cudaEventDestroy(event)
+            _check(runtime.cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle")
+
+    tensor = flat[desc.offset : desc.offset + nbytes].view(dtype).view(shape)
+    return MappedPool("cuda", tensor, closer, (events[0], events[1]))
+
+
+def _wrap_device_memory(ptr: int, nbytes: int, index: int) -> torch.Tensor:
+    """A 1-D uint8 torch view of device memory torch did not allocate (nothing is copied)."""
+    try:
+        import cupy
+    except ImportError:
+        return torch.as_tensor(_CudaArray(ptr, nbytes), device=torch.device("cuda", index))
+    with cupy.cuda.Device(index):
+        memory = cupy.cuda.UnownedMemory(ptr, nbytes, None, index)
+        array = cupy.ndarray((nbytes,), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(memory, 0))
+        return torch.from_dlpack(array)
+
+
+class _CudaArray:
+    """``__cuda_array_interface__`` of a raw device buffer: torch's no-cupy way to wrap it."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None,
+        }

@@ -1,0 +1,307 @@
+"""The kvdepot server's wire protocol, declared once: operation ids, messages, errors, framing.
+
+A request is a ZMQ multipart message ``[header, body, *payloads]``; a reply is the same shape
+(the ROUTER socket adds the peer's identity in front):
+
+    request header  RequestHeader(op, req_id)   msgpack array, never changes
+    reply header    ReplyHeader(req_id, status) status 0 = ok, else an ``ErrorCode``
+    body            the operation's request/reply Struct, or ``ErrorReply`` when status != 0
+    payloads        raw block bytes ("bytes" pools only), separate zero-copy frames
+
+Operations (ids are frozen: never renumbered, never reused; add new ones at the end):
+
+    1 HELLO        version handshake; must come first; opens a session   -> HelloReply
+    2 REGISTER     a worker's KV pool (geometry, TP rank, how to reach it) -> capacity granted
+    3 LOOKUP       keys or tokens + request id: lease the hit, start its prefetch -> PrefetchStatus
+    4 QUERY_PREFETCH_STATUS  request id -> PrefetchStatus (unknown id: UNKNOWN_REQUEST)
+    5 STORE        chunk keys + block ids (+ block bytes) -> chunks stored
+    6 RETRIEVE     chunk keys + block ids + range -> tokens valid (+ block bytes)
+    7 RELEASE      drop a lookup's leases and prefetch state (idempotent)
+    8 END_SESSION  release everything the session holds
+    9 PING         liveness; the reply names the server instance (a restart changes it)
+   10 STATS        live figures of every shard
+
+Chunk keys travel as one ``bytes`` of concatenated 16-byte keys. Hot messages are array-like
+msgpack with defaults omitted: new optional fields go last, with defaults. Encoding and frame
+handling live in ``wire``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol
+
+import msgspec
+
+from kvdepot.errors import KVDepotError
+from kvdepot.keys import Namespace
+
+PROTOCOL_VERSION = 1
+
+Buffer = bytes | bytearray | memoryview
+Payloads = Sequence[Buffer]
+
+
+class Op(IntEnum):
+    HELLO = 1
+    REGISTER = 2
+    LOOKUP = 3
+    QUERY_PREFETCH_STATUS = 4
+    STORE = 5
+    RETRIEVE = 6
+    RELEASE = 7
+    END_SESSION = 8
+    PING = 9
+    STATS = 10
+
+
+class ErrorCode(IntEnum):
+    BAD_MESSAGE = 1  # frames or body do not decode
+    UNKNOWN_OP = 2
+    VERSION_MISMATCH = 3
+    NO_SESSION = 4  # no HELLO from this peer (or the server restarted)
+    NOT_REGISTERED = 5  # the operation needs a registered pool
+    BAD_REQUEST = 6  # decodes, but a field is out of range
+    GEOMETRY_MISMATCH = 7
+    UNKNOWN_REQUEST = 8  # no lookup with that request id
+    BAD_PAYLOAD = 9
+    DEADLINE_EXCEEDED = 10  # the client has given up on this copy already
+    UNSUPPORTED = 11
+    INTERNAL = 12
+    BUSY = 13
+
+
+class ProtocolError(KVDepotError):
+    """A request the server refuses; becomes an ``ErrorReply`` with ``code``."""
+
+    def __init__(self, code: ErrorCode, message: str, req_id: int = 0) -> None:
+        super().__init__(message)
+        self.code, self.message, self.req_id = code, message, req_id
+
+
+_HOT = {"frozen": True, "array_like": True, "omit_defaults": True, "gc": False}
+
+
+class RequestHeader(msgspec.Struct, **_HOT):
+    op: int
+    req_id: int
+
+
+class ReplyHeader(msgspec.Struct, **_HOT):
+    req_id: int
+    status: int = 0
+
+
+class ErrorReply(msgspec.Struct, frozen=True):
+    code: int
+    message: str
+
+
+# ---- session ----------------------------------------------------------------------------------
+class Hello(msgspec.Struct, frozen=True):
+    """Map-encoded on purpose: every server version can read the version of every client."""
+
+    version: int
+    client: str = ""
+    pid: int = 0
+
+
+class HelloReply(msgspec.Struct, frozen=True):
+    version: int
+    session_id: int
+    server_id: int  # random per server start: a new value means the server restarted
+    server_pid: int
+
+
+class CudaIpcPool(msgspec.Struct, frozen=True, tag="cuda"):
+    """A pool inside a cudaMalloc allocation, shared by CUDA IPC (the allocation base + offset)."""
+
+    mem_handle: bytes  # cudaIpcMemHandle_t of the allocation base (64 bytes)
+    offset: int  # pool start - allocation base
+    alloc_bytes: int
+    device_uuid: str  # the GPU, independent of CUDA_VISIBLE_DEVICES numbering
+    to_server_event: bytes = b""  # cudaIpcEventHandle_t the client records before each copy
+    to_client_event: bytes = b""  # ... the server records after each load
+
+
+class ShmPool(msgspec.Struct, frozen=True, tag="shm"):
+    """A CPU pool inside a shared file (e.g. on /dev/shm), mapped by the server."""
+
+    path: str
+    offset: int = 0
+
+
+class BytesPool(msgspec.Struct, frozen=True, tag="bytes"):
+    """The server cannot map the pool: block bytes travel as payload frames."""
+
+
+PoolDesc = CudaIpcPool | ShmPool | BytesPool
+
+
+class Register(msgspec.Struct, frozen=True):
+    model_id: str
+    tp_rank: int
+    tp_size: int
+    tokens_per_block: int
+    num_blocks: int
+    num_layers: int
+    kv_factor: int
+    block_elems: int
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    bytes_per_block: int
+    pool: PoolDesc
+    cache_salt: str = ""
+
+
+class RegisterReply(msgspec.Struct, frozen=True):
+    chunk_size: int  # the server's; the client hashes with it
+    hash_algo: str
+    host_blocks: int  # capacity granted to this rank, in blocks
+    disk_blocks: int
+    namespace_digest: bytes  # seed of the key chain; the client checks it computed the same
+    group: str
+
+
+# ---- hot path -----------------------------------------------------------------------------------
+class Lookup(msgspec.Struct, **_HOT):
+    request_id: int
+    keys: bytes = b""
+    tokens: list[int] = []
+    skip_tokens: int = 0
+
+
+class QueryPrefetch(msgspec.Struct, **_HOT):
+    request_id: int
+
+
+class PrefetchStatus(msgspec.Struct, **_HOT):
+    done: bool  # False: lower tiers are still being staged into host memory
+    matched_tokens: int  # end of the hit, in tokens from 0, on every TP rank
+    ready_tokens: int  # of which already in host memory
+
+
+class Store(msgspec.Struct, **_HOT):
+    keys: bytes
+    block_ids: list[int]
+    deadline_ns: int = 0  # CLOCK_MONOTONIC; a mapped-pool copy must not start after it
+    synced: bool = False  # the client recorded its to_server_event before sending
+
+
+class StoreReply(msgspec.Struct, **_HOT):
+    stored_chunks: int
+
+
+class Retrieve(msgspec.Struct, **_HOT):
+    keys: bytes
+    block_ids: list[int]
+    skip_blocks: int = 0
+    num_blocks: int | None = None
+    lease_session: int = 0  # session that took the lease at LOOKUP (the scheduler's)
+    request_id: int | None = None
+    deadline_ns: int = 0
+    synced: bool = False
+
+
+class RetrieveReply(msgspec.Struct, **_HOT):
+    end_tokens: int  # tokens from 0 valid in the pool afterwards
+    loaded_blocks: int
+
+
+class Release(msgspec.Struct, **_HOT):
+    request_id: int
+
+
+class Empty(msgspec.Struct, **_HOT):
+    """A reply without fields (RELEASE, END_SESSION)."""
+
+
+class EndSession(msgspec.Struct, **_HOT):
+    pass
+
+
+class Ping(msgspec.Struct, **_HOT):
+    pass
+
+
+class GetStats(msgspec.Struct, **_HOT):
+    pass
+
+
+class Pong(msgspec.Struct, **_HOT):
+    server_id: int
+    time_ns: int
+
+
+class ShardStats(msgspec.Struct, frozen=True):
+    group: str
+    rank: int
+    figures: dict[str, float]
+
+
+class StatsReply(msgspec.Struct, frozen=True):
+    server_id: int
+    pid: int
+    url: str
+    uptime_s: float
+    sessions: int
+    mappings: int
+    prefetches: int
+    shards: list[ShardStats] = []
+
+
+# ---- the API, declared once ----------------------------------------------------------------------
+Reply = tuple[msgspec.Struct, list[Buffer]]
+
+
+class DepotProtocol(Protocol):
+    """What the server implements: one method per operation. ``peer`` is the ZMQ routing id."""
+
+    def hello(self, peer: bytes, msg: Hello, payloads: Payloads) -> Reply: ...
+    def register(self, peer: bytes, msg: Register, payloads: Payloads) -> Reply: ...
+    def lookup(self, peer: bytes, msg: Lookup, payloads: Payloads) -> Reply: ...
+    def query_prefetch_status(self, peer: bytes, msg: QueryPrefetch, payloads: Payloads) -> Reply: ...
+    def store(self, peer: bytes, msg: Store, payloads: Payloads) -> Reply: ...
+    def retrieve(self, peer: bytes, msg: Retrieve, payloads: Payloads) -> Reply: ...
+    def release(self, peer: bytes, msg: Release, payloads: Payloads) -> Reply: ...
+    def end_session(self, peer: bytes, msg: EndSession, payloads: Payloads) -> Reply: ...
+    def ping(self, peer: bytes, msg: Ping, payloads: Payloads) -> Reply: ...
+    def stats(self, peer: bytes, msg: GetStats, payloads: Payloads) -> Reply: ...
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    request: type[msgspec.Struct]
+    reply: type[msgspec.Struct]
+    handler: str  # DepotProtocol method name
+    inline: bool  # runs on the socket's loop thread (cheap, never blocks) or on the pool
+
+
+OPS: dict[int, OpSpec] = {
+    Op.HELLO: OpSpec(Hello, HelloReply, "hello", False),
+    Op.REGISTER: OpSpec(Register, RegisterReply, "register", False),
+    Op.LOOKUP: OpSpec(Lookup, PrefetchStatus, "lookup", False),
+    Op.QUERY_PREFETCH_STATUS: OpSpec(QueryPrefetch, PrefetchStatus, "query_prefetch_status", True),
+    Op.STORE: OpSpec(Store, StoreReply, "store", False),
+    Op.RETRIEVE: OpSpec(Retrieve, RetrieveReply, "retrieve", False),
+    Op.RELEASE: OpSpec(Release, Empty, "release", False),
+    Op.END_SESSION: OpSpec(EndSession, Empty, "end_session", False),
+    Op.PING: OpSpec(Ping, Pong, "ping", True),
+    Op.STATS: OpSpec(GetStats, StatsReply, "stats", False),
+}
+OP_OF: dict[type[msgspec.Struct], int] = {spec.request: op for op, spec in OPS.items()}
+assert len(OP_OF) == len(OPS), "every operation needs its own request type"
+
+def mp_namespace(
+    model_id: str, kv_dtype: str, geometry: Sequence[int], chunk_size: int, tp_size: int, cache_salt: str
+) -> Namespace:
+    """The key namespace in multi-process mode: rank-free, so every TP rank computes the same keys.
+
+    The server keeps one copy of a chunk per rank (one engine per rank), so object identity is
+    (key, rank); a lookup hits only where every rank holds the chunk.
+    """
+    return Namespace(
+        model_id=model_id, kv_dtype=kv_dtype, geometry=tuple(geometry), chunk_size=chunk_size,
+        tp_rank=0, tp_size=tp_size, cache_salt=cache_salt,
+    )

@@ -1,0 +1,157 @@
+"""What the server caches: model groups, and per TP rank a shard (one ``CacheEngine``).
+
+    Group    one model (model id + cache salt): its geometry, TP size and key namespace; a worker
+             whose geometry differs is refused. ``lookup`` hits only where *every* rank holds the
+             chunk, so a TP engine never loads a prefix that some rank lacks.
+    Shard    one rank of a group: a ``CacheEngine`` whose host tier outlives clients. Workers of
+             several engine instances may register the same rank; their pools differ, so each copy
+             attaches the caller's pool to the engine first (``register_pool``), serialized by
+             the shard's lock. Attaching only happens when the pool changes.
+
+Keys are rank-free (``protocol.mp_namespace``); the shard a chunk lives in supplies the rank, so
+the server's object identity is (key, rank) — in host memory by engine, on disk and in Redis by
+the engine's rank-specific namespace digest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from kvdepot.config import DepotConfig
+from kvdepot.engine import CacheEngine, StoreHandle
+from kvdepot.keys import ChunkHasher, ChunkKey
+from kvdepot.layout import PoolLayout
+from kvdepot.server.protocol import ErrorCode, ProtocolError, Register, mp_namespace
+
+
+class Shard:
+    """One TP rank of one model: a ``CacheEngine`` plus the lock that serializes pool swaps."""
+
+    def __init__(self, layout: PoolLayout, config: DepotConfig, group: Group, rank: int) -> None:
+        self.group, self.rank = group, rank
+        # Keys on the wire are rank-free; the engine's own namespace names the rank, so its disk
+        # and Redis objects (stored under the namespace digest) never mix two ranks' bytes.
+        namespace = dataclasses.replace(group.hasher.namespace, tp_rank=rank)
+        self.engine = CacheEngine(layout, config, namespace=namespace)
+        self.lock = threading.Lock()
+        self._attached: torch.Tensor | None = None
+        self._placeholder = torch.empty(
+            (1, layout.num_layers, layout.kv_factor, layout.block_elems), dtype=layout.dtype, device="meta"
+        )
+
+    @staticmethod
+    def _check_deadline(deadline_ns: int) -> None:
+        if deadline_ns and time.monotonic_ns() > deadline_ns:
+            # The client has stopped waiting and may reuse these blocks: a copy now could race it.
+            raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the client's deadline passed before the copy could start")
+
+    def _attach(self, pool: torch.Tensor) -> None:
+        if self._attached is not pool:
+            self.engine.register_pool(pool)
+            self._attached = pool
+
+    def _detach_locked(self) -> None:
+        self.engine.register_pool(self._placeholder)  # waits for in-flight copies first
+        self._attached = None
+
+    def detach(self, pool: torch.Tensor) -> None:
+        """Drop the engine's reference to ``pool`` (its mapping is about to close)."""
+        with self.lock:
+            if self._attached is pool:
+                self._detach_locked()
+            else:
+                self.engine.wait_all()
+
+    def store(
+        self, pool: torch.Tensor, keys: Sequence[ChunkKey], block_ids: Sequence[int], stream: object = None,
+        *, transient: bool = False, deadline_ns: int = 0,
+    ) -> StoreHandle:
+        """Store from ``pool``; a ``transient`` pool (a bytes payload) is detached at once."""
+        with self.lock:
+            self._check_deadline(deadline_ns)
+            self._attach(pool)
+            handle = self.engine.store(None, block_ids, keys=keys, stream=stream)
+            if transient:
+                self._detach_locked()
+            return handle
+
+    def retrieve(
+        self, pool: torch.Tensor, keys: Sequence[ChunkKey], block_ids: Sequence[int], skip_blocks: int,
+        num_blocks: int | None, lease: Hashable | None, stream: object = None, after: object = None,
+        *, transient: bool = False, deadline_ns: int = 0,
+    ) -> int:
+        """Load; ``after()`` runs under the lock once the copy is enqueued (record an event)."""
+        with self.lock:
+            self._check_deadline(deadline_ns)
+            self._attach(pool)
+            end = self.engine.retrieve(
+                None, block_ids, keys=keys, skip_blocks=skip_blocks, num_blocks=num_blocks, lease=lease, stream=stream
+            )
+            if callable(after):
+                after()
+            if transient:
+                self._detach_locked()
+            return end
+
+
+class Group:
+    """One model's shards; the first registration fixes its geometry and TP size."""
+
+    def __init__(self, msg: Register, layout: PoolLayout, config: DepotConfig) -> None:
+        self.model_id, self.cache_salt = msg.model_id, msg.cache_salt
+        self.name = msg.model_id + (f"#{msg.cache_salt}" if msg.cache_salt else "")
+        self.geometry, self.dtype, self.tp_size = layout.geometry, layout.dtype, msg.tp_size
+        namespace = mp_namespace(msg.model_id, layout.dtype_name, layout.geometry, layout.chunk_size, msg.tp_size, msg.cache_salt)
+        self.hasher = ChunkHasher(namespace, config.hash_algo)
+        # The ranks share the server's host and disk budgets equally; one chunk per rank at least.
+        per_rank = max(config.host_capacity_gb / msg.tp_size, (layout.chunk_bytes + 64) / 1e9)
+        self.config = dataclasses.replace(
+            config, host_capacity_gb=per_rank, disk_capacity_gb=config.disk_capacity_gb / msg.tp_size,
+            model_id=msg.model_id, cache_salt=msg.cache_salt,
+        )
+        self.shards: dict[int, Shard] = {}
+        self._lock = threading.Lock()
+
+    def check(self, msg: Register, layout: PoolLayout) -> None:
+        if (layout.geometry, layout.dtype, msg.tp_size) != (self.geometry, self.dtype, self.tp_size):
+            raise ProtocolError(
+                ErrorCode.GEOMETRY_MISMATCH,
+                f"model {self.name!r} is registered with geometry (layers, kv_factor, block_elems, "
+                f"element_size, tokens_per_block)={self.geometry}, dtype {self.dtype}, tp_size {self.tp_size}; "
+                f"this worker has {layout.geometry}, {layout.dtype}, tp_size {msg.tp_size}. Workers of one "
+                "model must agree: give a different model a different model_id (or cache_salt)",
+            )
+
+    def shard(self, rank: int, layout: PoolLayout) -> Shard:
+        with self._lock:
+            shard = self.shards.get(rank)
+            if shard is None:
+                shard = self.shards[rank] = Shard(layout, self.config, self, rank)
+            return shard
+
+    @property
+    def complete(self) -> bool:
+        return len(self.shards) == self.tp_size
+
+    def probe(self, keys: Sequence[ChunkKey], skip_tokens: int, lease: Hashable) -> tuple[int, int]:
+        """(end of the run every rank holds, end of the part every rank has in host memory now).
+
+        Both are 0 until every rank has registered. Lower-tier chunks counted are promoted into
+        host memory in the background under ``lease`` (see ``CacheEngine.probe``).
+        """
+        if not self.complete:
+            return 0, 0
+        hits = [s.engine.probe(keys=keys, skip_tokens=skip_tokens, lease=lease) for s in list(self.shards.values())]
+        return min(h.tokens for h in hits), min(h.host_tokens for h in hits)
+
+    def promotions_done(self, lease: Hashable) -> bool:
+        return all(s.engine.promotion_done(lease) for s in list(self.shards.values()))
+
+    def release(self, lease: Hashable) -> None:
+        for shard in list(self.shards.values()):
+            shard.engine.release(lease)

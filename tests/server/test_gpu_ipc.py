@@ -1,0 +1,79 @@
+"""CUDA IPC: a pool from a raw cudaMalloc (what TensorRT-LLM's pool is), registered by IPC handle,
+stored and loaded by the server, bit-exact across processes, ordered by interprocess events."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from mp_helpers import start_server, stop_server
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(180)]
+
+OWNER = r"""
+import sys
+import torch
+from cuda.bindings import runtime
+from kvdepot.server.client import DepotClient
+from kvdepot.server.ipc import _wrap_device_memory
+from kvdepot.server.remote import RemoteEngine
+
+url, role, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
+B, SHAPE = 32, (64, 4, 2, 8 * 32 * 64)          # 64 blocks of 256 KiB (bf16)
+torch.cuda.set_device(0)
+nbytes = 2
+for dim in SHAPE:
+    nbytes *= dim
+err, ptr = runtime.cudaMalloc(nbytes + 4096)      # a raw allocation, not torch's
+assert int(err) == 0, err
+flat = _wrap_device_memory(int(ptr), nbytes + 4096, 0)
+pool = flat[4096:].view(torch.bfloat16).view(SHAPE)  # the pool starts at an offset in the allocation
+gen = torch.Generator(device="cuda").manual_seed(seed)
+expected = torch.randn(SHAPE, device="cuda", generator=gen).to(torch.bfloat16)
+client = DepotClient(url, timeout_s=10.0, heartbeat_s=0.5)
+remote = RemoteEngine(client, pool, B, model_id="gpu-ipc", mode="ipc")
+assert remote.ready and remote.exported.kind == "cuda", remote.exported.kind
+tokens = [(seed * 131 + i * 7) % 32000 for i in range(8 * B)]   # 4 chunks of 64 = 8 blocks
+keys = remote.chunk_keys(tokens)
+src, dst = list(range(8)), list(range(40, 48))
+stream = torch.cuda.Stream()
+with torch.cuda.stream(stream):
+    if role == "store":
+        pool.zero_()
+        torch.cuda._sleep(200_000_000)                # a long kernel first: the store must wait for it
+        pool[src] = expected[src]
+        handle = remote.store(None, src, keys=keys, stream=stream)
+        handle.wait()
+        assert handle.chunks == 4, handle.chunks
+    else:
+        pool.zero_()
+    assert remote.lookup(keys=keys, lease=1) == 8 * B
+    torch.cuda._sleep(200_000_000)                    # the load must wait for earlier work ...
+    pool[dst] = 1.0                                   # ... such as this write, or it would be lost
+    end = remote.retrieve(None, dst, keys=keys, lease=1, stream=stream)
+    loaded = pool[dst].clone()                        # on the stream: ordered after the load
+stream.synchronize()
+assert end == 8 * B, end
+assert torch.equal(loaded, expected[src]), "loaded blocks differ"
+assert torch.count_nonzero(pool[48:]) == 0, "a block outside the request was written"
+client.close()
+remote.close()
+print("ok", role, flush=True)
+"""
+
+
+def _owner(url: str, role: str, seed: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", OWNER, url, role, str(seed)], capture_output=True, text=True, timeout=120)
+
+
+def test_raw_cudamalloc_pool_by_cuda_ipc(workdir):
+    url = f"ipc://{workdir}/g.sock"
+    proc = start_server(url, "--chunk-size", "64", "--host-capacity-gb", "0.2")
+    try:
+        stored = _owner(url, "store", 3)
+        assert stored.returncode == 0 and "ok store" in stored.stdout, stored.stderr
+        hit = _owner(url, "hit", 3)  # another process, another allocation: loads what the first stored
+        assert hit.returncode == 0 and "ok hit" in hit.stdout, hit.stderr
+    finally:
+        assert stop_server(proc) == 0, proc.log.read_text()  # type: ignore[attr-defined]

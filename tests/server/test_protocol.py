@@ -1,0 +1,113 @@
+"""Every message survives the wire; malformed frames and other protocol versions get clear errors."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvdepot.config import load_config
+from kvdepot.server import protocol as p
+from kvdepot.server import wire as w
+from kvdepot.server.service import DepotService
+
+pytestmark = pytest.mark.timeout(30)
+
+KEYS = bytes(range(32))
+SAMPLES: list[msgspec.Struct] = [
+    p.Hello(p.PROTOCOL_VERSION, "engine", 42),
+    p.HelloReply(1, 7, 123, 99),
+    p.Register("llama", 1, 2, 32, 100, 4, 2, 4096, "bfloat16", 65536,
+               p.CudaIpcPool(b"h" * 64, 128, 1 << 20, "GPU-1", b"e" * 64, b"f" * 64), "salt"),
+    p.Register("llama", 0, 1, 32, 100, 4, 2, 4096, "float16", 65536, p.ShmPool("/dev/shm/x", 8)),
+    p.Register("llama", 0, 1, 32, 100, 4, 2, 4096, "float8_e4m3fn", 32768, p.BytesPool()),
+    p.RegisterReply(256, "blake3", 1000, 0, b"d" * 16, "llama"),
+    p.Lookup(5, KEYS, [], 32),
+    p.Lookup(6, b"", [1, 2, 3]),
+    p.QueryPrefetch(5),
+    p.PrefetchStatus(False, 512, 256),
+    p.Store(KEYS, [3, 4, 5, 6], 123456789, True),
+    p.StoreReply(2),
+    p.Retrieve(KEYS, [1, 2, 3, 4], 1, 2, 9, 5, 77, True),
+    p.Retrieve(KEYS, [1, 2]),
+    p.RetrieveReply(64, 2),
+    p.Release(5),
+    p.Empty(),
+    p.EndSession(),
+    p.Ping(),
+    p.Pong(123, 456),
+    p.GetStats(),
+    p.StatsReply(1, 2, "ipc:///x", 3.5, 1, 1, 0, [p.ShardStats("llama", 0, {"hits": 3.0})]),
+    p.ErrorReply(p.ErrorCode.BAD_REQUEST, "nope"),
+]
+
+
+def test_operation_ids_are_frozen():
+    assert {op.name: int(op) for op in p.Op} == {
+        "HELLO": 1, "REGISTER": 2, "LOOKUP": 3, "QUERY_PREFETCH_STATUS": 4, "STORE": 5,
+        "RETRIEVE": 6, "RELEASE": 7, "END_SESSION": 8, "PING": 9, "STATS": 10,
+    }
+    assert set(p.OPS) == set(p.Op)
+
+
+def test_every_message_type_is_sampled():
+    kinds = {spec.request for spec in p.OPS.values()} | {spec.reply for spec in p.OPS.values()}
+    assert kinds <= {type(m) for m in SAMPLES}
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert w.decode(w.encode(msg), type(msg)) == msg
+    if type(msg) in p.OP_OF:
+        frames = w.request_frames(p.OP_OF[type(msg)], 17, msg, [b"payload"])
+        header, spec, body, payloads = w.parse_request(frames)
+        assert (header.req_id, body, [bytes(x) for x in payloads]) == (17, msg, [b"payload"])
+        assert spec.request is type(msg)
+
+
+def test_reply_frames_round_trip():
+    frames = w.reply_frames(9, p.StoreReply(3), [b"x"])
+    assert w.parse_reply_header(frames[0]) == p.ReplyHeader(9, 0)
+    assert w.decode(frames[1], p.StoreReply) == p.StoreReply(3)
+    err = w.error_frames(9, p.ErrorCode.UNKNOWN_OP, "what")
+    assert w.parse_reply_header(err[0]).status == p.ErrorCode.UNKNOWN_OP
+    assert w.decode(err[1], p.ErrorReply).message == "what"
+
+
+@pytest.mark.parametrize("frames, code", [
+    ([b"only one frame"], p.ErrorCode.BAD_MESSAGE),
+    ([b"\xc1garbage", b""], p.ErrorCode.BAD_MESSAGE),
+    ([w.encode(p.RequestHeader(999, 1)), b"\x90"], p.ErrorCode.UNKNOWN_OP),
+    ([w.encode(p.RequestHeader(p.Op.LOOKUP, 1)), b"\x93\x01"], p.ErrorCode.BAD_MESSAGE),
+    ([w.encode(p.RequestHeader(p.Op.LOOKUP, 1)), w.encode(p.Hello(1))], p.ErrorCode.BAD_MESSAGE),
+])
+def test_malformed_requests_are_protocol_errors(frames, code):
+    with pytest.raises(p.ProtocolError) as info:
+        w.parse_request(frames)
+    assert info.value.code == code
+
+
+def test_keys_must_be_whole():
+    assert w.split_keys(KEYS) == [KEYS[:16], KEYS[16:]]
+    with pytest.raises(p.ProtocolError, match="multiple of 16"):
+        w.split_keys(b"x" * 17)
+
+
+def test_hello_version_mismatch_is_refused_clearly():
+    service = DepotService(load_config(chunk_size=16, host_capacity_gb=0.01))
+    reply = service.handle(b"peer", w.request_frames(p.Op.HELLO, 3, p.Hello(p.PROTOCOL_VERSION + 1, "future")))
+    header = w.parse_reply_header(reply[0])
+    error = w.decode(reply[1], p.ErrorReply)
+    assert (header.req_id, header.status) == (3, p.ErrorCode.VERSION_MISMATCH)
+    assert f"v{p.PROTOCOL_VERSION + 1}" in error.message and f"v{p.PROTOCOL_VERSION}" in error.message
+    # No session was opened: anything else still needs a HELLO.
+    reply = service.handle(b"peer", w.request_frames(p.Op.PING, 4, p.Ping()))
+    assert w.parse_reply_header(reply[0]).status == p.ErrorCode.NO_SESSION
+
+
+def test_hello_opens_a_session():
+    service = DepotService(load_config(chunk_size=16, host_capacity_gb=0.01))
+    reply = service.handle(b"peer", w.request_frames(p.Op.HELLO, 1, p.Hello(p.PROTOCOL_VERSION)))
+    hello = w.decode(reply[1], p.HelloReply)
+    assert hello.session_id > 0 and hello.server_id == service.server_id
+    pong = service.handle(b"peer", w.request_frames(p.Op.PING, 2, p.Ping()))
+    assert w.decode(pong[1], p.Pong).server_id == service.server_id
