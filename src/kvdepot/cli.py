@@ -18,6 +18,7 @@ BENCHES = {
     "transfer": ("kvdepot.bench.transfer", "store/retrieve GB/s of whole blocks vs pinned memcpy, same run"),
     "lookup": ("kvdepot.bench.lookup", "time to key and look up a long prompt (CPU)"),
     "ttft": ("kvdepot.bench.ttft", "TTFT of recompute vs a kvdepot hit in the reference runtime, and miss overhead"),
+    "mp": ("kvdepot.bench.mp", "server store/retrieve GB/s vs in-process and pinned memcpy; LOOKUP round trip"),
 }
 
 
@@ -37,6 +38,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     module = importlib.import_module(BENCHES[args.bench][0])
     module.run(args)
     return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from kvdepot.config import load_config
+    from kvdepot.server.client import print_stats
+
+    return print_stats(args.url or load_config().server_url)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -59,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo_args(demo)
     demo.set_defaults(func=_cmd_demo)
 
+    sub.add_parser("server", help="run the multi-process cache server (see: kvdepot server --help)", add_help=False)
+    stats = sub.add_parser("stats", help="print a running server's live figures")
+    stats.add_argument("--url", default=None, help="server URL (default: KVDEPOT_SERVER_URL or the per-user ipc:// socket)")
+    stats.set_defaults(func=_cmd_stats)
+
     cfg = sub.add_parser("config", help="print the effective config and where each value came from")
     cfg.add_argument("-v", "--verbose", action="store_true", help="also print each key's documentation")
     cfg.set_defaults(func=_cmd_config)
@@ -73,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["server"]:  # the server has its own parser: `kvdepot server --help` shows it
+        from kvdepot.server.__main__ import main as server_main
+
+        return server_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -74,7 +74,7 @@ def run(args: Any) -> list[dict]:
         layout = PoolLayout.from_pool(pool, B, bpc * B)
         nbytes = moved * layout.bytes_per_block
         config = load_config(chunk_size=bpc * B, host_capacity_gb=nbytes * (reps + 3) / 1e9)
-        h2d, d2h = memcpy_ceiling(nbytes, device, reps)
+        h2d, d2h, _both = memcpy_ceiling(nbytes, device, reps)
         engine = CacheEngine(layout, config)
         engine.register_pool(pool)
         local = _rates(engine, moved, device, reps)

@@ -1,0 +1,181 @@
+"""Run real vLLM with and without kvdepot; the harness of the end-to-end tests and the TTFT bench.
+
+    python -m kvdepot.integrations.vllm.bench [--model DIR] [--prompt-tokens 2000] [--repeats 3]
+
+makes a tiny random Llama with ``transformers`` (fixed seed, nothing downloaded) unless
+``--model`` is given, then runs two child processes — vLLM without a connector, and vLLM with
+``KvDepotConnector`` — each serving the same prompt several times with max_tokens=1, vLLM's
+own prefix caching off. It prints time-to-first-token: the connector's first request is a
+miss (compute + save), the later ones hit kvdepot (load + compute the tail).
+
+``run_child(spec)`` is the child: one ``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
+so the connector runs in-process), the spec's prompts generated one request at a time, in
+order, and per prompt the tokens, their logprobs, vLLM's ``num_cached_tokens`` and the wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CHILD_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core and worker in this process: in-process mode
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of host memory for vLLM's own KV cache on the CPU backend
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def make_tiny_llama(path: str | os.PathLike[str], seed: int = 0, layers: int = 2, hidden: int = 128) -> str:
+    """A random-weight Llama saved by transformers: vocab 1000, head_dim 32 (a CPU-backend size)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=1000, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 32, num_key_value_heads=max(1, hidden // 64), max_position_embeddings=4096,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def random_prompt(n: int, seed: int, vocab: int = 1000) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, vocab) for _ in range(n)]  # ids 0-2 are bos/eos/pad-like
+
+
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One vLLM engine, the spec's prompts in order; returns per-prompt results."""
+    for key, value in CHILD_ENV.items():
+        os.environ.setdefault(key, value)
+    from vllm.config import KVTransferConfig
+
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = dict(
+        model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
+        gpu_memory_utilization=0.5, max_model_len=4096, dtype="float32", seed=0,
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 4096),
+    )
+    if spec.get("connector"):
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvDepotConnector", kv_connector_module_path="kvdepot.integrations.vllm",
+            kv_role="kv_both", kv_connector_extra_config=dict(spec.get("extra_config", {})),
+        )
+    started = time.perf_counter()
+    llm = LLM(**kwargs)
+    init_s = time.perf_counter() - started
+    params = SamplingParams(max_tokens=int(spec.get("max_tokens", 8)), temperature=0.0, logprobs=0, ignore_eos=True)
+    for warm in spec.get("warmup", []):
+        llm.generate([{"prompt_token_ids": warm}], params, use_tqdm=False)
+    results = []
+    for prompt in spec["prompts"]:
+        if spec.get("wait_promotions"):  # let disk/Redis hits of earlier requests reach host memory
+            from kvdepot.integrations.vllm.layout import current_engine
+
+            engine = current_engine()
+            if engine is not None:
+                engine.wait_promotions(timeout=30)
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        elapsed = time.perf_counter() - t0
+        completion = out.outputs[0]
+        logprobs = [float(step[tok].logprob) for tok, step in zip(completion.token_ids, completion.logprobs or [], strict=False)]
+        results.append({
+            "token_ids": list(completion.token_ids), "logprobs": logprobs,
+            "num_cached_tokens": int(out.num_cached_tokens or 0), "seconds": elapsed,
+        })
+    return {"init_s": init_s, "results": results}
+
+
+class Child:
+    """``run_child`` in a fresh interpreter (vLLM keeps process-global state), started now."""
+
+    def __init__(self, spec: dict[str, Any], python: str | None = None) -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvdepot-vllm-")
+        spec_path = Path(self._tmp.name, "spec.json")
+        self._out = Path(self._tmp.name, "out.json")
+        self._log = open(Path(self._tmp.name, "log.txt"), "w+", encoding="utf-8")  # noqa: SIM115 - closed in result()
+        spec_path.write_text(json.dumps(spec))
+        self._proc = subprocess.Popen(
+            [python or sys.executable, "-m", "kvdepot.integrations.vllm.bench", "--child", str(spec_path), str(self._out)],
+            env={**os.environ, **CHILD_ENV}, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+
+    def result(self, timeout_s: float = 300) -> dict[str, Any]:
+        """Wait for the child; its results plus the tail of its log. Raises if it failed."""
+        try:
+            rc = self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            rc = self._proc.wait()
+        try:
+            self._log.seek(0)
+            log = self._log.read()[-20000:]
+            if rc != 0 or not self._out.exists():
+                raise RuntimeError(f"vLLM child failed (rc={rc}):\n{log[-8000:]}")
+            result = json.loads(self._out.read_text())
+            result["log"] = log
+            return result
+        finally:
+            self._log.close()
+            self._tmp.cleanup()
+
+
+def spawn_child(spec: dict[str, Any], timeout_s: float = 300, python: str | None = None) -> dict[str, Any]:
+    return Child(spec, python).result(timeout_s)
+
+
+def _bench(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvdepot-bench-") as tmp:
+        model = args.model or make_tiny_llama(Path(tmp, "model"))
+        prompt = random_prompt(args.prompt_tokens, seed=7)
+        spec = {
+            "model": model, "prompts": [prompt] * (1 + args.repeats), "max_tokens": 1,
+            "warmup": [random_prompt(args.prompt_tokens, seed=8)], "max_num_batched_tokens": args.max_num_batched_tokens,
+        }
+        stats = str(Path(tmp, "stats.jsonl"))
+        # One after the other: two engines at once would share the 2 cores and skew the times.
+        base = spawn_child(spec)
+        with_kv = spawn_child({**spec, "connector": True, "extra_config": {"chunk_size": args.chunk_size, "stats_file": stats}})
+    b = [r["seconds"] * 1e3 for r in base["results"]]
+    k = [r["seconds"] * 1e3 for r in with_kv["results"]]
+    hit = with_kv["results"][1]["num_cached_tokens"]
+    print(f"prompt {args.prompt_tokens} tokens, chunk {args.chunk_size}, max_num_batched_tokens {args.max_num_batched_tokens}; "
+          f"TTFT in ms (generate() with max_tokens=1, median of {args.repeats})")
+    print(f"  vLLM alone              : {statistics.median(b[1:]):8.1f}   (first request {b[0]:.1f})")
+    print(f"  + kvdepot, miss (save)  : {k[0]:8.1f}")
+    print(f"  + kvdepot, hit ({hit:>4} tok): {statistics.median(k[1:]):8.1f}")
+    print(f"  engine init: {base['init_s']:.1f} s alone, {with_kv['init_s']:.1f} s with kvdepot")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--model", help="a model directory (default: a tiny random Llama made here)")
+    parser.add_argument("--prompt-tokens", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    args = parser.parse_args(argv)
+    if args.child:
+        spec = json.loads(Path(args.child[0]).read_text())
+        Path(args.child[1]).write_text(json.dumps(run_child(spec)))
+        return
+    _bench(args)
+
+
+if __name__ == "__main__":
+    main()

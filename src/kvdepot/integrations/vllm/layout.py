@@ -1,0 +1,254 @@
+"""vLLM's per-layer KV caches as kvdepot block views, and the engine that moves them.
+
+vLLM (0.32) allocates one flat backing buffer and hands the connector one tensor per layer,
+logically ``[num_blocks, H, N, C]`` (heads, tokens per block, content bytes), laid out by
+the resolved ``KVCacheLayout``: the CPU attention backend uses LBHNC, where layer ``l``'s
+block ``b`` is one dense run of ``H*N*C`` bytes (per head: the block's K rows, then its V
+rows). kvdepot never interprets those bytes: it only needs, per layer, the byte span of each
+block. ``block_view`` reads that span from the tensor's strides, for any layout in which a
+block's bytes are dense within a layer (LBHNC, LBNHC, BLHNC, …), and refuses the others.
+
+The views go to the core's transfer contract (``kvdepot.transfer.base``): block ``b`` of the
+pool is ``views[0][b] ‖ views[1][b] ‖ …`` with one view per layer, sorted by layer name, so a
+chunk's bytes do not depend on allocation order. Keys, tiers and exactness are the core's:
+only the geometry in the namespace differs from TensorRT-LLM's, because the bytes differ.
+
+Nothing here imports vLLM: the connector passes tensors and plain values in.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvdepot.config import DepotConfig
+from kvdepot.engine import CacheEngine
+from kvdepot.errors import LayoutError
+from kvdepot.keys import Namespace
+from kvdepot.layout import PoolLayout
+
+logger = logging.getLogger("kvdepot")
+
+
+def _natural_key(name: str) -> list[Any]:
+    """``model.layers.10`` after ``model.layers.9``: digits compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _dense_span(t: torch.Tensor) -> int | None:
+    """Element count of ``t`` if its elements form one gap-free run of memory, else None."""
+    dims = sorted((stride, size) for size, stride in zip(t.shape, t.stride(), strict=True) if size > 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return None
+        expected *= size
+    return t.numel()
+
+
+def block_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A ``[num_blocks, block_bytes]`` uint8 view of one layer cache, aliasing its memory.
+
+    ``t``'s first dimension counts blocks: ``num_blocks`` manager blocks, or a multiple of it
+    when vLLM split each manager block into kernel blocks (then ``ratio`` consecutive kernel
+    blocks are one manager block). Each manager block must be one dense run of bytes.
+    """
+    if not isinstance(t, torch.Tensor) or t.dim() < 2:
+        raise LayoutError(f"a vLLM layer KV cache must be a tensor of >= 2 dims, got {type(t).__name__} {getattr(t, 'shape', '')}")
+    if num_blocks <= 0 or t.shape[0] % num_blocks:
+        raise LayoutError(f"layer cache with {t.shape[0]} blocks does not split into {num_blocks} manager blocks")
+    ratio = t.shape[0] // num_blocks
+    span = _dense_span(t[:ratio])
+    if span is None:
+        raise LayoutError(
+            f"a block of the layer cache (shape {tuple(t.shape)}, strides {t.stride()}) is not one dense run "
+            "of memory; kvdepot needs block-contiguous vLLM KV layouts (e.g. LBHNC, LBNHC, BLHNC)"
+        )
+    es = t.element_size()
+    block_bytes = span * es
+    stride_bytes = t.stride(0) * ratio * es
+    if num_blocks > 1 and stride_bytes < block_bytes:
+        raise LayoutError(f"blocks of the layer cache overlap (stride {stride_bytes} B < block {block_bytes} B)")
+    storage = t.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
+    return flat.as_strided((num_blocks, block_bytes), (stride_bytes, 1), t.storage_offset() * es)
+
+
+@dataclass(frozen=True)
+class ViewsLayout(PoolLayout):
+    """A pool presented as per-layer block views: ``num_layers`` views of equal segments.
+
+    ``kv_factor * block_elems`` elements of ``dtype`` are one layer's segment of a block.
+    ``tag`` names what decides the bytes' meaning (engine, attention backend, KV layout); it
+    is part of the geometry, so chunks of differently laid-out pools never share keys.
+    """
+
+    tag: str = "views"
+
+    @classmethod
+    def from_views(
+        cls,
+        views: Sequence[torch.Tensor],
+        dtype: torch.dtype,
+        tokens_per_block: int,
+        chunk_size: int,
+        *,
+        kv_factor: int = 2,
+        tag: str = "views",
+    ) -> ViewsLayout:
+        if not views:
+            raise LayoutError("no KV cache views to register")
+        for v in views:
+            if v.dtype != torch.uint8 or v.dim() != 2:
+                raise LayoutError(f"block views must be 2-D uint8 [num_blocks, seg_bytes], got {v.dtype} {tuple(v.shape)}")
+        num_blocks, seg = views[0].shape
+        if any(tuple(v.shape) != (num_blocks, seg) for v in views):
+            shapes = sorted({tuple(v.shape) for v in views})
+            raise LayoutError(f"kvdepot needs every layer's blocks to be the same size; got views of shapes {shapes}")
+        es = torch.empty((), dtype=dtype).element_size()
+        if seg % (es * kv_factor):
+            raise LayoutError(f"a layer segment of {seg} B is not {kv_factor} x whole {dtype} elements")
+        return cls(num_blocks, len(views), kv_factor, seg // es // kv_factor, dtype, tokens_per_block, chunk_size, tag)
+
+    @property
+    def geometry(self) -> tuple[Any, ...]:
+        """The TensorRT-LLM geometry, led by the tag: equal only for byte-identical chunks."""
+        return (self.tag, *super().geometry)
+
+
+class ViewsCacheEngine(CacheEngine):
+    """A ``CacheEngine`` over block views built by an adapter, not over a TensorRT-LLM pool.
+
+    Everything but pool registration is the core engine's: lookups, leases, stores,
+    retrieves, tiers and stats. (The core change that makes this subclass unnecessary is a
+    ``CacheEngine.register_views``; see docs/vllm.md.)
+    """
+
+    @classmethod
+    def for_views(
+        cls, views: Sequence[torch.Tensor], layout: ViewsLayout, config: DepotConfig, **ns: Any
+    ) -> ViewsCacheEngine:
+        namespace = Namespace(
+            model_id=ns.pop("model_id", config.model_id),
+            kv_dtype=layout.dtype_name,
+            geometry=layout.geometry,
+            chunk_size=layout.chunk_size,
+            cache_salt=ns.pop("cache_salt", config.cache_salt),
+            **ns,
+        )
+        engine = cls(layout, config, namespace=namespace)
+        engine.register_views(views, layout)
+        return engine
+
+    def register_pool(self, pool: torch.Tensor) -> None:
+        raise LayoutError("a views engine is registered with register_views(views, layout), not a pool tensor")
+
+    def register_views(self, views: Sequence[torch.Tensor], layout: ViewsLayout) -> None:
+        """(Re)attach the block views, e.g. after vLLM reallocates its caches. Geometry must not change."""
+        if layout.geometry != self.layout.geometry or layout.dtype != self.layout.dtype:
+            raise LayoutError(
+                f"views geometry {layout.geometry}/{layout.dtype} differs from the engine's {self.layout.geometry}/{self.layout.dtype}"
+            )
+        devices = {v.device for v in views}
+        if len(devices) != 1:
+            raise LayoutError(f"block views span several devices: {sorted(map(str, devices))}")
+        device = devices.pop()
+        # NOTE: this mirrors CacheEngine.register_pool's body (attributes, arena growth, the
+        # store/load/spare streams); the core's register_views would make it one line.
+        with self._lock:
+            self.wait_all()
+            self.layout = layout
+            self._views = list(views)
+            self._pool = self._views[0]  # the core checks registration through _pool
+            grow = getattr(self, "_grow_ahead_locked", None)
+            if grow is not None:
+                grow()
+            if device.type == "cuda":
+                self._streams = tuple(torch.cuda.Stream(device) for _ in range(3))
+            else:
+                self._streams = None
+
+
+def views_from_kv_caches(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, layer_names: Sequence[str] | None = None
+) -> tuple[list[str], list[torch.Tensor]]:
+    """One block view per distinct layer cache, ordered by layer name.
+
+    ``layer_names`` limits the views to one KV cache group; layers that share another layer's
+    cache (vLLM's cross-layer KV sharing) alias the same memory and are moved once.
+    """
+    names = sorted(layer_names if layer_names is not None else kv_caches, key=_natural_key)
+    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    out_names: list[str] = []
+    views: list[torch.Tensor] = []
+    for name in names:
+        if name not in kv_caches:
+            raise LayoutError(f"layer {name!r} has no KV cache among {sorted(kv_caches)[:4]}…")
+        view = block_view(kv_caches[name], num_blocks)
+        ident = (view.data_ptr(), tuple(view.shape), tuple(view.stride()))
+        if ident in seen:
+            continue
+        seen[ident] = name
+        out_names.append(name)
+        views.append(view)
+    _check_disjoint(views, out_names)
+    return out_names, views
+
+
+def _check_disjoint(views: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Distinct views must not overlap: a load into one would corrupt another."""
+    spans = []
+    for view, name in zip(views, names, strict=True):
+        n, seg = view.shape
+        start = view.data_ptr()
+        spans.append((start, start + (n - 1) * view.stride(0) + seg, name, view))
+    spans.sort(key=lambda s: s[0])
+    for (_a0, a1, an, av), (b0, _b1, bn, bv) in zip(spans, spans[1:], strict=False):
+        if b0 < a1 and not _interleaved(av, bv):
+            raise LayoutError(f"KV caches of layers {an!r} and {bn!r} overlap")
+
+
+def _interleaved(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Block-outermost layouts (BLHNC) interleave layers: each block's span is still disjoint."""
+    if a.stride(0) != b.stride(0) or a.shape != b.shape:
+        return False
+    offset = b.data_ptr() - a.data_ptr()
+    return a.shape[1] <= offset and offset + b.shape[1] <= a.stride(0)
+
+
+_lock = threading.Lock()
+_engine: ViewsCacheEngine | None = None
+
+
+def get_or_create_engine(
+    views: Sequence[torch.Tensor], layout: ViewsLayout, config: DepotConfig, **ns: Any
+) -> ViewsCacheEngine:
+    """The process's engine: created by the first worker registration, re-registered after."""
+    global _engine
+    with _lock:
+        if _engine is not None:
+            _engine.register_views(views, layout)
+            logger.info("kvdepot: re-registered %d vLLM KV views on the existing engine", len(views))
+            return _engine
+        _engine = ViewsCacheEngine.for_views(views, layout, config, **ns)
+        return _engine
+
+
+def current_engine() -> ViewsCacheEngine | None:
+    """The engine once a worker of this process registered its caches; never blocks."""
+    return _engine
+
+
+def destroy_engine() -> None:
+    """Drop the process's engine (tests, shutdown). Safe when none exists."""
+    global _engine
+    with _lock:
+        if _engine is not None:
+            _engine.close()
+        _engine = None

@@ -1,0 +1,38 @@
+"""What the scheduler-side connector tells the worker-side one each step. Plain, picklable.
+
+The TensorRT-LLM adapter's scheme (``integrations/tensorrt_llm/metadata.py``): requests carry
+only *deltas* — chunk keys and block ids the worker has not seen yet — plus this step's load
+and how many chunks are computed. Two differences for vLLM: request ids are strings, and a
+request that vLLM preempted comes back with a new block list, so its first item after a new
+lookup says ``reset`` (the worker drops what it held and starts over).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+try:  # the metadata must be vLLM's type when vLLM is there; the fields are ours either way
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # pragma: no cover - vLLM-free imports (docs, layout tests)
+    KVConnectorMetadata = object  # type: ignore[assignment,misc]
+
+
+@dataclass
+class VllmRequestMeta:
+    """One request's instructions for this step."""
+
+    request_id: str
+    new_keys: list[bytes] = field(default_factory=list)  # appended to the worker's chunk keys
+    new_block_ids: list[int] = field(default_factory=list)  # appended to the worker's block list
+    load_skip_blocks: int = 0  # load blocks [skip, skip + num) of the request ...
+    load_num_blocks: int = 0  # ... (0: nothing to load this step)
+    save_upto_chunks: int = 0  # the request's first N chunks are computed: save those not saved yet
+    reset: bool = False  # drop the worker's state for this id first (new or resumed request)
+
+
+@dataclass
+class KvDepotVllmMetadata(KVConnectorMetadata):
+    """The step's metadata: per-request items and requests vLLM preempted this step."""
+
+    requests: list[VllmRequestMeta] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
