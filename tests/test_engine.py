@@ -464,7 +464,7 @@ def test_threads_with_disjoint_blocks_get_exact_bytes_and_consistent_counters():
 # ---- CUDA --------------------------------------------------------------------------------------
 
 
-class SlowMover:
+class SlowMover(transfer.base.PerChunk):
     """A real mover that first keeps the stream it runs on busy (a GPU sleep), so tests can
     see which streams wait for a transfer and which do not."""
 

@@ -12,7 +12,8 @@ git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 for step in $steps; do
   echo "=== $step ($(date +%T))"
   case $step in
-    tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/gpu_tests.txt" ;;
+    tests) python3 -m pytest -q -m gpu -p no:cacheprovider -rfE tests > "$OUT/gpu_tests.txt" 2>&1
+           grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.txt" | tail -12 ;;
     transfer)
       { python3 -m kvdepot.cli bench transfer
         python3 -m kvdepot.cli bench transfer --tokens-per-block 8

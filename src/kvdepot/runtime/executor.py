@@ -251,7 +251,9 @@ class Engine:
         stacked = torch.stack([logits[i] for i in sampling])
         next_ids = stacked.argmax(-1).tolist()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            # The forward stream only, as a sampler waits: a connector's side-stream copies (async
+            # saves) must not count toward a token's latency.
+            torch.cuda.current_stream(self.device).synchronize()
         now = time.perf_counter()
         host = stacked.cpu()
         sampled = dict(zip(sampling, zip(next_ids, host, strict=True), strict=True))
