@@ -24,7 +24,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,8 +132,8 @@ class CacheEngine:
             self.config.disk_path or self.config.remote_url) else None
         self._promotions: dict[Any, Future[int]] = {}  # by lease, until its load takes it
         self._promoting: set[Future[int]] = set()  # every promotion still running
-        self._grower: ThreadPoolExecutor | None = None  # pins the next arena segment ahead of need
-        self._growing = False
+        self._pinner: threading.Thread | None = None  # pins the host arena in the background
+        self._closing = threading.Event()
         self._lock = threading.RLock()
         self._views: list[torch.Tensor] = []
         self._pool: torch.Tensor | None = None
@@ -172,7 +172,7 @@ class CacheEngine:
             self.layout = layout
             self._pool = pool
             self._views = [pool.view(torch.uint8).reshape(layout.num_blocks, -1)]
-            self._grow_ahead_locked()
+            self._start_pinner_locked()
             if pool.is_cuda:
                 # Three distinct streams from torch's pool: store, load, and a spare used when the
                 # caller's own stream happens to be one of ours (torch hands pool streams out in
@@ -325,7 +325,6 @@ class CacheEngine:
                 if slot is not None:
                     placed.append((keys[c], slot, [block_ids[p] for p in self.layout.chunk_blocks(c)]))
             self._stats.dropped_stores = self.host.stats().dropped
-            self._grow_ahead_locked()
         if not placed:
             return StoreHandle(self, 0, None)
 
@@ -421,28 +420,35 @@ class CacheEngine:
         return (skip_blocks + loaded_blocks) * B
 
     # ---- arena growth ------------------------------------------------------------------------
-    def _grow_ahead_locked(self) -> None:
-        """Pin the next arena segment on a helper thread before the free slots run out.
+    def _start_pinner_locked(self) -> None:
+        """Pin the whole host arena on a helper thread, segment by segment, from registration on.
 
-        cudaHostAlloc runs at a few GB/s; done inline, the store that finds the arena full would
-        stall the engine's step for the whole allocation.
+        cudaHostAlloc runs at a few GB/s: done inline, the store that first needs a new segment
+        would stall the engine's step; done all at registration, start-up would wait for it.
+        The first segment is pinned here, so early stores find room. Unpinned (CPU-only) arenas
+        grow inline: plain allocation costs nothing up front.
         """
-        if self._growing or not self.host.wants_segment():
+        if not self.host.pin_memory or self._pinner is not None:
             return
-        self._growing = True
-        if self._grower is None:
-            self._grower = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-arena")
-        self._grower.submit(self._grow_segment)
+        first = self.host.allocate_segment()  # one segment now, so the first stores have room
+        if first is not None:
+            self.host.add_segment(first)
+        self.host.grow_inline = False
+        self._pinner = threading.Thread(target=self._pin_arena, name="kvdepot-arena", daemon=True)
+        self._pinner.start()
 
-    def _grow_segment(self) -> None:
-        try:
+    def _pin_arena(self) -> None:
+        while not self._closing.is_set():
             segment = self.host.allocate_segment()  # slow, so outside the lock; adoption re-checks
+            if segment is None:
+                return
             with self._lock:
-                if segment is not None:
-                    self.host.add_segment(segment)
-        finally:
-            with self._lock:
-                self._growing = False
+                self.host.add_segment(segment)
+
+    def wait_arena(self, timeout: float | None = None) -> None:
+        """Block until the host arena is fully allocated (benchmarks; nothing else needs to wait)."""
+        if self._pinner is not None:
+            self._pinner.join(timeout)
 
     # ---- in-flight transfers ----------------------------------------------------------------
     def _run(
@@ -558,9 +564,9 @@ class CacheEngine:
         """Finish transfers, then drain write-behind and join the tier threads (outside the lock:
         write-behind providers take it)."""
         self.wait_all()
-        if self._grower is not None:
-            self._grower.shutdown(wait=True)
-            self._grower = None
+        self._closing.set()
+        if self._pinner is not None:
+            self._pinner.join()
         for future in list(self._promoting):
             future.cancel()
         self._promotions.clear()

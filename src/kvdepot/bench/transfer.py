@@ -51,6 +51,7 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
     # which is the steady state of a busy cache (first-fill pinning is not a transfer cost).
     config = load_config(chunk_size=args.chunk_size, host_capacity_gb=(3 * nbytes + 1) / 1e9, transfer_mover=mover)
     engine = CacheEngine.for_pool(pool, args.tokens_per_block, config)
+    engine.wait_arena()
     rng = random.Random(0)
     counter = iter(range(1 << 40))
 
@@ -67,7 +68,10 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
 
     def store() -> None:
         keys, block_ids = batches.pop()
-        engine.store(None, block_ids, keys=keys).wait()
+        handle = engine.store(None, block_ids, keys=keys)
+        handle.wait()
+        if handle.chunks != len(keys):  # a dropped store would time as infinitely fast
+            raise RuntimeError(f"store placed {handle.chunks} of {len(keys)} chunks")
 
     for _ in range(4):  # fill the arena once over
         store()
@@ -76,7 +80,8 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
     engine.store(None, ids(), keys=held).wait()
 
     def retrieve() -> None:
-        engine.retrieve(None, batches[-1][1], keys=held)
+        if engine.retrieve(None, batches[-1][1], keys=held) != moved * args.tokens_per_block:
+            raise RuntimeError("benchmark retrieve found its chunks evicted")  # would time as infinitely fast
 
     load_s = median_seconds(retrieve, device, args.reps)
 

@@ -60,6 +60,7 @@ def _hits(args: argparse.Namespace, lengths: list[int], h2d: float) -> list[dict
     destroy_engine()
     pool = max(lengths) + 64
     eng = _engine(args, pool, connected=True)
+    current_engine().wait_arena()
     vocab = eng.model.config.vocab_size
     kv_per_token = eng.pool[0].numel() * eng.pool.element_size() / eng.tokens_per_block
     eng.generate([_prompt(min(512, pool - 64), 7, vocab)], 1)  # warm-up: kernels, allocator, streams
@@ -94,12 +95,14 @@ def _hits(args: argparse.Namespace, lengths: list[int], h2d: float) -> list[dict
 
 
 def _misses(args: argparse.Namespace) -> list[dict]:
-    from kvdepot.integrations.tensorrt_llm.utils import destroy_engine
+    from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
 
     rows = []
     for connected in (False, True):
         destroy_engine()
         eng = _engine(args, args.miss_length + args.decode_tokens + 64, connected)
+        if connected:
+            current_engine().wait_arena()  # steady state: a serving engine has pinned its arena long ago
         vocab = eng.model.config.vocab_size
         eng.generate([_prompt(min(512, args.miss_length), 7, vocab)], 2)  # warm-up
         results = eng.generate_sequential(

@@ -27,7 +27,7 @@ from kvdepot.keys import ChunkKey
 from kvdepot.storage.base import TierStats
 from kvdepot.storage.policy import POLICIES
 
-SEGMENT_BYTES = 256 << 20  # grow the arena 256 MiB (or one slot, if larger) at a time
+SEGMENT_BYTES = 128 << 20  # grow the arena 128 MiB (or one slot, if larger) at a time
 
 
 @dataclass
@@ -57,6 +57,9 @@ class HostTier:
         self.pin_memory = pin_memory
         self._per_segment = max(1, min(self.num_slots, SEGMENT_BYTES // slot_bytes))
         self._segments: list[torch.Tensor] = []
+        # False when the owner pins segments on a thread of its own: a store then never waits
+        # for cudaHostAlloc (it evicts, or drops and counts, until memory arrives).
+        self.grow_inline = True
         self._allocated = 0  # slots backed by memory so far
         self._free: list[int] = []
         self._slot_of: dict[ChunkKey, int] = {}
@@ -127,7 +130,7 @@ class HostTier:
         """Allocate a WRITING slot for ``key``; None if present already or nothing is evictable."""
         if key in self._slot_of:
             return None
-        if not self._free and not self._grow() and not self._evict_one():
+        if not self._free and not (self.grow_inline and self._grow()) and not self._evict_one():
             self._stats.dropped += 1
             return None
         self._slot_of[key] = self._free.pop()
