@@ -236,6 +236,9 @@ class _Scheduler:
         self._requests: dict[str, _SchedRequest] = {}
         self._hashers: dict[tuple[str, str], ChunkHasher] = {}
         self._warned_async = False
+        transfer = owner._kv_transfer_config
+        self._loads = bool(transfer.is_kv_consumer)  # kv_role: kv_both / kv_consumer load, ...
+        self._saves = bool(transfer.is_kv_producer)  # ... kv_both / kv_producer save
         parallel = vllm_config.parallel_config
         self._disabled_reason = ""
         backend = getattr(parallel, "distributed_executor_backend", None)
@@ -297,7 +300,8 @@ class _Scheduler:
             self._warned_async = True
         # Leave at least one token to compute: vLLM needs one to produce the next token.
         limit = (len(tokens) - 1) // self._block * self._block
-        matched = max(0, min(hit.host_tokens, limit) - num_computed_tokens) // self._block * self._block
+        usable = hit.host_tokens if self._loads else 0
+        matched = max(0, min(usable, limit) - num_computed_tokens) // self._block * self._block
         if matched:
             state.load = (state.skip_blocks, matched // self._block)
         else:
@@ -362,7 +366,7 @@ class _Scheduler:
         num_tokens = state.request.num_tokens
         limit = computed if engine.config.save_decode_cache else min(computed, state.prompt_len)
         limit = min(limit, num_tokens, len(state.block_ids) * self._block)
-        upto = limit // engine.layout.chunk_size
+        upto = limit // engine.layout.chunk_size if self._saves else 0
         if upto > len(state.keys):
             state.keys = state.hasher.extend(state.keys, list(state.request.all_token_ids))
             upto = min(upto, len(state.keys))

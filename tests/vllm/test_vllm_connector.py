@@ -1,0 +1,284 @@
+"""``KvDepotConnector`` driven the way vLLM's scheduler and model runner drive it, in one process,
+with vLLM's own config and KV-cache-config types and stand-ins for requests and scheduler
+outputs: the contract (leases, loads, saves, request_finished / get_finished, preemption,
+load errors) without running a model. The real engine runs in test_vllm_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from vllm_helpers import SKIP_REASON, VLLM_MISSING
+
+pytestmark = pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON)
+
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_imported() -> None:
+    """Importing vLLM takes ~10 s on 2 cores: paid once here, not by the first test."""
+    import vllm.distributed.kv_transfer.kv_connector.v1.base  # noqa: F401
+    import vllm.v1.kv_cache_interface  # noqa: F401
+
+
+L, NB, H, B, C = 2, 24, 2, 16, 8  # layers, blocks, kv heads, tokens per block, head size
+CHUNK = 32
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+
+
+def kv_cache_config() -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=C, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+
+
+def vllm_config(tmp_path, backend: str = "uni", role: str = "kv_both", **extra: Any) -> Any:
+    from vllm.config import KVTransferConfig
+
+    transfer = KVTransferConfig(
+        kv_connector="KvDepotConnector", kv_connector_module_path="kvdepot.integrations.vllm", kv_role=role,
+        kv_connector_extra_config={"chunk_size": CHUNK, "host_capacity_gb": 0.001, "model_id": "tiny",
+                                   "stats_file": str(tmp_path / "stats.jsonl"), **extra},
+    )
+    return SimpleNamespace(
+        kv_transfer_config=transfer,
+        model_config=SimpleNamespace(model="tiny"),
+        cache_config=SimpleNamespace(block_size=B, kv_cache_layout="LBHNC"),
+        parallel_config=SimpleNamespace(distributed_executor_backend=backend, world_size=1),
+        compilation_config=SimpleNamespace(static_forward_context={}),
+    )
+
+
+class Rig:
+    """Both roles, vLLM's per-layer caches ([B, H, N, 2*head] per layer, LBHNC) and a step driver."""
+
+    def __init__(self, tmp_path, backend: str = "uni", role: str = "kv_both", **extra: Any) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from kvdepot.integrations.vllm import KvDepotConnector
+
+        config = vllm_config(tmp_path, backend, role, **extra)
+        self.stats_path = tmp_path / "stats.jsonl"
+        self.worker = KvDepotConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+        buf = torch.zeros(L * NB * H * B * 2 * C)
+        self.caches = dict(zip(LAYERS, buf.view(L, NB, H, B, 2 * C).unbind(0), strict=True))
+        self.worker.register_kv_caches(self.caches)
+        self.sched = KvDepotConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+        self.gen = torch.Generator().manual_seed(0)
+
+    def step(self, output: Any, computed_blocks: list[int] = ()) -> Any:
+        """One engine step as vLLM's model runner runs it around a forward pass."""
+        meta = self.sched.build_connector_meta(output)
+        self.worker.handle_preemptions(meta)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        for b in computed_blocks:  # the forward pass writes these blocks' KV
+            for t in self.caches.values():
+                t[b].copy_(torch.randn(t[b].shape, generator=self.gen))
+        self.worker.wait_for_save()
+        self.worker.clear_connector_metadata()
+        return meta
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        lines = self.stats_path.read_text().splitlines() if self.stats_path.exists() else []
+        return [e for e in map(json.loads, lines) if e["event"] == name]
+
+
+def request(rid: str, tokens: list[int], **kw: Any) -> Any:
+    fields = dict(request_id=rid, all_token_ids=list(tokens), num_tokens=len(tokens), num_prompt_tokens=len(tokens),
+                  prompt_token_ids=list(tokens), mm_features=[], prompt_embeds=None, cache_salt=None, lora_request=None)
+    fields.update(kw)
+    return SimpleNamespace(**fields)
+
+
+def blocks(ids: list[int]) -> Any:
+    return SimpleNamespace(get_block_ids=lambda: (list(ids),))
+
+
+def new_step(rid: str, block_ids: list[int], computed: int, scheduled: int, preempted: set[str] = frozenset()) -> Any:
+    new = SimpleNamespace(req_id=rid, block_ids=(list(block_ids),), num_computed_tokens=computed)
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={rid: scheduled}, preempted_req_ids=set(preempted))
+
+
+def cached_step(rid: str, new_block_ids: list[int], computed: int, scheduled: int, resumed: bool = False) -> Any:
+    cached = SimpleNamespace(req_ids=[rid], resumed_req_ids={rid} if resumed else set(),
+                             new_block_ids=[(list(new_block_ids),)], num_computed_tokens=[computed])
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={rid: scheduled}, preempted_req_ids=set())
+
+
+def empty_step(preempted: set[str] = frozenset()) -> Any:
+    cached = SimpleNamespace(req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={},
+                           preempted_req_ids=set(preempted))
+
+
+def engine():
+    from kvdepot.integrations.vllm.layout import current_engine
+
+    return current_engine()
+
+
+def serve_miss(rig: Rig, rid: str, tokens: list[int], block_ids: list[int]) -> None:
+    """A request that misses, is prefilled in one step, and finishes."""
+    req = request(rid, tokens)
+    assert rig.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    rig.sched.update_state_after_alloc(req, blocks(block_ids), 0)
+    rig.step(new_step(rid, block_ids, 0, len(tokens)), computed_blocks=block_ids)
+    assert rig.sched.request_finished(req, block_ids) == (True, None)  # saves ran: vLLM must wait for us
+    assert rig.worker.get_finished({rid}) == ({rid}, None)
+    assert rig.worker.get_finished(set()) == (None, None)  # reported once
+
+
+TOKENS = list(range(1000, 1080))  # 80 tokens: 5 blocks, 2 full chunks
+
+
+def test_miss_saves_then_hit_loads_the_same_bytes(tmp_path) -> None:
+    rig = Rig(tmp_path)
+    serve_miss(rig, "a", TOKENS, [1, 2, 3, 4, 5])
+    assert engine().stats().stored_chunks == 2
+    req = request("b", TOKENS)
+    assert rig.sched.get_num_new_matched_tokens(req, 0) == (64, False)
+    rig.sched.update_state_after_alloc(req, blocks([9, 8, 7, 6, 10]), 64)
+    rig.step(new_step("b", [9, 8, 7, 6, 10], 64, 16), computed_blocks=[10])
+    for t in rig.caches.values():
+        for src, dst in zip([1, 2, 3, 4], [9, 8, 7, 6], strict=True):
+            assert torch.equal(t[dst], t[src])
+    assert rig.worker.get_block_ids_with_load_errors() == set()
+    assert rig.sched.request_finished(req, [9, 8, 7, 6, 10]) == (True, None)  # told to save (all cached)
+    assert rig.worker.get_finished({"b"}) == ({"b"}, None)
+    assert [e["new_matched"] for e in rig.events("lookup")] == [0, 64]
+    assert not [e for e in rig.events("store") if e["req"] == "b"]  # loaded chunks are not stored again
+    stats = engine().stats()
+    assert stats.live_leases == 0 and stats.pinned_chunks == 0
+
+
+def test_at_least_one_token_is_left_to_compute(tmp_path) -> None:
+    rig = Rig(tmp_path)
+    serve_miss(rig, "a", TOKENS[:64], [1, 2, 3, 4])  # exactly 2 chunks, all cached
+    assert rig.sched.get_num_new_matched_tokens(request("b", TOKENS[:64]), 0) == (48, False)
+
+
+def test_lookup_again_and_a_refused_load_release_the_lease(tmp_path) -> None:
+    rig = Rig(tmp_path)
+    serve_miss(rig, "a", TOKENS, [1, 2, 3, 4, 5])
+    req = request("b", TOKENS)
+    rig.sched.get_num_new_matched_tokens(req, 0)
+    rig.sched.get_num_new_matched_tokens(req, 0)  # vLLM asks again when it could not schedule it
+    assert engine().stats().live_leases == 1
+    rig.sched.update_state_after_alloc(req, blocks([6, 7, 8, 9, 10]), 0)  # vLLM took no external tokens
+    assert engine().stats().live_leases == 0
+    meta = rig.step(new_step("b", [6, 7, 8, 9, 10], 0, 80), computed_blocks=[6, 7, 8, 9, 10])
+    assert meta.requests[0].load_num_blocks == 0
+
+
+def test_chunked_prefill_saves_each_chunk_when_it_is_computed(tmp_path) -> None:
+    rig = Rig(tmp_path)
+    req = request("a", TOKENS)
+    rig.sched.get_num_new_matched_tokens(req, 0)
+    rig.sched.update_state_after_alloc(req, blocks([1, 2]), 0)
+    m1 = rig.step(new_step("a", [1, 2], 0, 32), computed_blocks=[1, 2])
+    m2 = rig.step(cached_step("a", [3, 4], 32, 32), computed_blocks=[3, 4])
+    m3 = rig.step(cached_step("a", [5], 64, 16), computed_blocks=[5])
+    assert [m.requests[0].save_upto_chunks for m in (m1, m2)] == [1, 2] and m3.requests == []
+    assert [(e["first_chunk"], e["upto_chunk"]) for e in rig.events("store")] == [(0, 1), (1, 2)]
+    assert m1.requests[0].new_keys and m2.requests[0].new_block_ids == [3, 4]  # deltas only
+
+
+def test_preempted_request_is_not_held_and_restarts_cleanly(tmp_path) -> None:
+    rig = Rig(tmp_path)
+    req = request("a", TOKENS)
+    rig.sched.get_num_new_matched_tokens(req, 0)
+    rig.sched.update_state_after_alloc(req, blocks([1, 2]), 0)
+    rig.step(new_step("a", [1, 2], 0, 32), computed_blocks=[1, 2])
+    rig.step(empty_step(preempted={"a"}))  # vLLM preempted it and freed its blocks
+    # Back from preemption: a new lookup finds the chunk it saved, new blocks, a reset.
+    assert rig.sched.get_num_new_matched_tokens(req, 0) == (32, False)
+    rig.sched.update_state_after_alloc(req, blocks([7, 8, 9, 10, 11]), 32)
+    meta = rig.step(cached_step("a", [7, 8, 9, 10, 11], 32, 48, resumed=True), computed_blocks=[9, 10, 11])
+    item = meta.requests[0]
+    assert item.reset and item.new_block_ids == [7, 8, 9, 10, 11] and item.load_num_blocks == 2
+    for t in rig.caches.values():
+        assert torch.equal(t[7], t[1]) and torch.equal(t[8], t[2])
+    assert rig.sched.request_finished(req, []) == (True, None)
+    assert rig.worker.get_finished({"a"}) == ({"a"}, None)
+
+
+def test_preempted_then_aborted_request_is_not_delayed(tmp_path) -> None:
+    rig = Rig(tmp_path)
+    req = request("a", TOKENS)
+    rig.sched.get_num_new_matched_tokens(req, 0)
+    rig.sched.update_state_after_alloc(req, blocks([1, 2]), 0)
+    rig.step(new_step("a", [1, 2], 0, 32), computed_blocks=[1, 2])
+    rig.step(empty_step(preempted={"a"}))
+    assert rig.sched.request_finished(req, []) == (False, None)  # its blocks are gone already
+    assert rig.worker.get_finished({"a"}) == (None, None)
+
+
+def test_salted_lora_and_multimodal_requests_do_not_share_plain_keys(tmp_path) -> None:
+    rig = Rig(tmp_path)
+    serve_miss(rig, "a", TOKENS, [1, 2, 3, 4, 5])
+    lora = SimpleNamespace(lora_name="adapter", lora_int_id=1)
+    assert rig.sched.get_num_new_matched_tokens(request("s", TOKENS, cache_salt="tenant-2"), 0)[0] == 0
+    assert rig.sched.get_num_new_matched_tokens(request("l", TOKENS, lora_request=lora), 0)[0] == 0
+    assert rig.sched.get_num_new_matched_tokens(request("m", TOKENS, mm_features=[object()]), 0)[0] == 0
+    assert rig.sched.get_num_new_matched_tokens(request("p", TOKENS), 0)[0] == 64
+
+
+def test_a_chunk_lost_before_its_load_is_reported_as_a_load_error(tmp_path) -> None:
+    rig = Rig(tmp_path)
+    serve_miss(rig, "a", TOKENS, [1, 2, 3, 4, 5])
+    req = request("b", TOKENS)
+    assert rig.sched.get_num_new_matched_tokens(req, 0)[0] == 64
+    eng = engine()
+    eng.release("b")  # as if the lease had expired ...
+    assert eng.host.delete(eng.chunk_keys(TOKENS)[1])  # ... and the second chunk was evicted
+    rig.sched.update_state_after_alloc(req, blocks([6, 7, 8, 9, 10]), 64)
+    rig.step(new_step("b", [6, 7, 8, 9, 10], 64, 16), computed_blocks=[10])
+    assert rig.worker.get_block_ids_with_load_errors() == {8, 9}  # vLLM recomputes or fails them
+    assert rig.worker.get_block_ids_with_load_errors() == set()
+
+
+def test_worker_in_another_process_turns_kvdepot_off_loudly(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvdepot")
+    rig = Rig(tmp_path, backend="mp")
+    assert "runs the worker in another process" in caplog.text
+    req = request("a", TOKENS)
+    assert rig.sched.get_num_new_matched_tokens(req, 0) == (0, False)
+    rig.sched.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)
+    meta = rig.step(new_step("a", [1, 2, 3, 4, 5], 0, 80), computed_blocks=[1, 2, 3, 4, 5])
+    assert meta.requests == [] and rig.sched.request_finished(req, []) == (False, None)
+
+
+def test_metadata_pickles_small(tmp_path) -> None:
+    import pickle
+
+    rig = Rig(tmp_path)
+    req = request("a", TOKENS)
+    rig.sched.get_num_new_matched_tokens(req, 0)
+    rig.sched.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 0)
+    meta = rig.sched.build_connector_meta(new_step("a", [1, 2, 3, 4, 5], 0, 80))
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+    assert isinstance(meta, KVConnectorMetadata)
+    assert pickle.loads(pickle.dumps(meta)) == meta and len(pickle.dumps(meta)) < 1024
+
+
+def test_kv_role_producer_only_saves_and_consumer_only_loads(tmp_path) -> None:
+    producer = Rig(tmp_path / "p", role="kv_producer") if (tmp_path / "p").mkdir() is None else None
+    serve_miss(producer, "a", TOKENS, [1, 2, 3, 4, 5])
+    assert producer.sched.get_num_new_matched_tokens(request("b", TOKENS), 0) == (0, False)  # never loads
+    consumer = Rig(tmp_path / "c", role="kv_consumer") if (tmp_path / "c").mkdir() is None else None
+    req = request("c", TOKENS)  # the same process engine: A's chunks are there
+    assert consumer.sched.get_num_new_matched_tokens(req, 0) == (64, False)
+    consumer.sched.update_state_after_alloc(req, blocks([6, 7, 8, 9, 10]), 64)
+    meta = consumer.step(new_step("c", [6, 7, 8, 9, 10], 64, 16), computed_blocks=[10])
+    assert meta.requests[0].save_upto_chunks == 0 and consumer.sched.request_finished(req, []) == (False, None)

@@ -1,0 +1,128 @@
+"""End to end through real vLLM (CPU backend), vLLM's own prefix caching off: a hit can only
+come from kvdepot. Two engines run side by side in child processes — vLLM alone, and vLLM with
+``KvDepotConnector`` — over the same prompts; outputs must agree, and the connector's stats
+file (written inside vLLM's engine) must show where the hits came from.
+
+Connector engine, in order: A (2000 tokens: a miss, saved chunk by chunk through a chunked
+prefill of 512-token steps), A again (a hit of every full 256-token chunk: 1792 tokens), then
+B = A[:1100] + a new suffix (a hit of the shared prefix's full chunks: 1024 tokens).
+That engine also writes behind to a local redis-server; a third engine, started after it
+exited, finds A in Redis: its first request promotes the chunks, its second one hits them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm_helpers import REDIS_SERVER, SKIP_REASON, VLLM_MISSING, Redis
+
+from kvdepot.integrations.vllm.bench import Child, random_prompt
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON)]
+
+CHUNK = 256
+A = random_prompt(2000, seed=1)
+B = A[:1100] + random_prompt(900, seed=2)
+LOGPROB_TOL = 1e-3  # fp32; the hit computes its tail in one step instead of four chunks
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("kvdepot-e2e")
+    redis = Redis(tmp) if REDIS_SERVER else None
+    try:
+        common = {"model": tiny_model, "max_tokens": 8, "max_num_batched_tokens": 512}
+        extra = {"chunk_size": CHUNK, "host_capacity_gb": 0.25}
+        if redis is not None:
+            extra["remote_url"] = redis.url  # the connector engine also writes behind to Redis
+        alone = Child({**common, "prompts": [A, B]})
+        with_kv = Child({**common, "prompts": [A, A, B], "connector": True,
+                         "extra_config": {**extra, "stats_file": str(tmp / "stats.jsonl")}})
+        base, conn = alone.result(timeout_s=400), with_kv.result(timeout_s=400)
+        out = {"base": base["results"], "conn": conn["results"], "events": read_events(tmp / "stats.jsonl"),
+               "log": conn["log"], "second": None}
+        if redis is not None:
+            # A second vLLM process, empty host memory, the same Redis: A's chunks come from there.
+            second = Child({**common, "prompts": [A, A], "connector": True, "wait_promotions": True,
+                            "extra_config": {**extra, "stats_file": str(tmp / "second.jsonl")}})
+            out["second"] = {"results": second.result(timeout_s=400)["results"], "events": read_events(tmp / "second.jsonl")}
+        yield out
+    finally:
+        if redis is not None:
+            redis.stop()
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def by_event(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == name]
+
+
+def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert got["token_ids"] == want["token_ids"]
+    assert len(got["logprobs"]) == len(want["logprobs"]) == len(want["token_ids"])
+    for x, y in zip(got["logprobs"], want["logprobs"], strict=True):
+        assert abs(x - y) <= LOGPROB_TOL, (got["logprobs"], want["logprobs"])
+
+
+def test_first_request_is_a_miss_with_vllm_alone_output(runs: dict[str, Any]) -> None:
+    first = by_event(runs["events"], "lookup")[0]
+    assert (first["tokens"], first["cached"], first["new_matched"]) == (2000, 0, 0)
+    assert runs["conn"][0]["num_cached_tokens"] == 0
+    assert_same_output(runs["conn"][0], runs["base"][0])
+
+
+def test_repeated_prompt_hits_kvdepot_with_identical_output(runs: dict[str, Any]) -> None:
+    lookup = by_event(runs["events"], "lookup")[1]
+    assert (lookup["vllm_matched"], lookup["cached"], lookup["new_matched"]) == (0, 1792, 1792)
+    load = by_event(runs["events"], "load")[0]
+    assert load["req"] == lookup["req"] and load["blocks"] == load["wanted"] == 1792 // 128
+    assert runs["conn"][1]["num_cached_tokens"] == 1792  # vLLM's own count of tokens it did not compute
+    assert_same_output(runs["conn"][1], runs["base"][0])
+    assert "lookup req=" in runs["log"] and "cached=1792 new_matched=1792" in runs["log"]
+
+
+def test_shared_prefix_with_a_different_suffix(runs: dict[str, Any]) -> None:
+    lookup = by_event(runs["events"], "lookup")[2]
+    assert (lookup["cached"], lookup["new_matched"]) == (1024, 1024)  # 1100 shared tokens: 4 full chunks
+    assert runs["conn"][2]["num_cached_tokens"] == 1024
+    assert_same_output(runs["conn"][2], runs["base"][1])
+    assert runs["conn"][2]["token_ids"] != runs["conn"][1]["token_ids"]  # the suffix matters
+
+
+def test_every_full_chunk_of_a_chunked_prefill_is_saved(runs: dict[str, Any]) -> None:
+    first_req = by_event(runs["events"], "lookup")[0]["req"]
+    stores = [e for e in by_event(runs["events"], "store") if e["req"] == first_req]
+    assert len(stores) >= 4  # one per 512-token prefill step, not only the first
+    assert [s["first_chunk"] for s in stores] == [0] + [s["upto_chunk"] for s in stores[:-1]]
+    assert stores[-1]["upto_chunk"] == 2000 // CHUNK and sum(s["new_chunks"] for s in stores) == 7
+    # The hit request loaded its chunks: nothing of them is stored again.
+    hit_req = by_event(runs["events"], "lookup")[1]["req"]
+    assert not [e for e in by_event(runs["events"], "store") if e["req"] == hit_req]
+
+
+def test_engine_ends_with_no_leases_pins_or_transfers(runs: dict[str, Any]) -> None:
+    final = by_event(runs["events"], "shutdown")[-1]["stats"]
+    assert final["live_leases"] == 0 and final["pinned_chunks"] == 0 and final["inflight_transfers"] == 0
+    assert final["stored_chunks"] == 7 + 3 and final["loaded_chunks"] == 7 + 4  # A: 7 stored; B: 4 loaded, 3 stored
+    finished = [r for e in by_event(runs["events"], "finished") for r in e["req"]]
+    assert len(finished) == len(set(finished))  # each delayed request reported once
+
+
+def test_second_vllm_process_hits_what_the_first_wrote_to_redis(runs: dict[str, Any]) -> None:
+    if runs["second"] is None:
+        pytest.skip("redis-server binary not found: apt-get install redis-server")
+    lookups = by_event(runs["second"]["events"], "lookup")
+    # First request: nothing in this process's host memory; Redis has it -> promoted for later.
+    assert (lookups[0]["cached"], lookups[0]["host"], lookups[0]["new_matched"]) == (1792, 0, 0)
+    assert (lookups[1]["host"], lookups[1]["new_matched"]) == (1792, 1792)
+    first, again = runs["second"]["results"]
+    assert first["num_cached_tokens"] == 0 and again["num_cached_tokens"] == 1792
+    assert_same_output(first, runs["base"][0])
+    assert_same_output(again, runs["base"][0])
