@@ -106,17 +106,16 @@ class CacheEngine:
         *,
         namespace: Namespace | None = None,
         mover: BlockMover | None = None,
+        namespace_fields: dict[str, Any] | None = None,
     ) -> None:
         self.config = config or load_config()
         if self.config.chunk_size != layout.chunk_size:
             raise ConfigError(f"config chunk_size={self.config.chunk_size} differs from the layout's {layout.chunk_size}")
         self.layout = layout
+        # The namespace: config's model id and salt unless the adapter says otherwise (TP rank…).
+        fields = {"model_id": self.config.model_id, "cache_salt": self.config.cache_salt, **(namespace_fields or {})}
         self.namespace = namespace or Namespace(
-            model_id=self.config.model_id,
-            kv_dtype=layout.dtype_name,
-            geometry=layout.geometry,
-            chunk_size=layout.chunk_size,
-            cache_salt=self.config.cache_salt,
+            kv_dtype=layout.dtype_name, geometry=layout.geometry, chunk_size=layout.chunk_size, **fields
         )
         self.hasher = ChunkHasher(self.namespace, self.config.hash_algo)
         capacity = int(self.config.host_capacity_gb * 1e9)
@@ -136,7 +135,6 @@ class CacheEngine:
         self._closing = threading.Event()
         self._lock = threading.RLock()
         self._views: list[torch.Tensor] = []
-        self._pool: torch.Tensor | None = None
         self._streams: tuple[Any, ...] | None = None
         self._inflight: deque[tuple[int, Any, Callable[[], None]]] = deque()
         self._tokens = itertools.count(1)
@@ -147,37 +145,45 @@ class CacheEngine:
     def for_pool(cls, pool: torch.Tensor, tokens_per_block: int, config: DepotConfig | None = None, **ns: Any) -> CacheEngine:
         """Build an engine whose layout and namespace are read from a TensorRT-LLM pool tensor."""
         config = config or load_config()
-        layout = PoolLayout.from_pool(pool, tokens_per_block, config.chunk_size)
-        namespace = Namespace(
-            model_id=ns.pop("model_id", config.model_id),
-            kv_dtype=layout.dtype_name,
-            geometry=layout.geometry,
-            chunk_size=layout.chunk_size,
-            cache_salt=ns.pop("cache_salt", config.cache_salt),
-            **ns,
-        )
-        engine = cls(layout, config, namespace=namespace)
+        engine = cls(PoolLayout.from_pool(pool, tokens_per_block, config.chunk_size), config, namespace_fields=ns)
         engine.register_pool(pool)
         return engine
 
+    @classmethod
+    def for_views(
+        cls, views: Sequence[torch.Tensor], layout: PoolLayout, config: DepotConfig | None = None, **ns: Any
+    ) -> CacheEngine:
+        """Build an engine over block views an adapter made (e.g. vLLM's per-layer caches)."""
+        config = config or load_config()
+        engine = cls(layout, config, namespace_fields=ns)
+        engine.register_views(views, layout)
+        return engine
+
     def register_pool(self, pool: torch.Tensor) -> None:
-        """(Re)attach the engine's pool, e.g. after a model reload. Geometry must not change."""
+        """(Re)attach a TensorRT-LLM pool, e.g. after a model reload. Geometry must not change."""
         layout = PoolLayout.from_pool(pool, self.layout.tokens_per_block, self.layout.chunk_size)
+        self.register_views([pool.view(torch.uint8).reshape(layout.num_blocks, -1)], layout)
+
+    def register_views(self, views: Sequence[torch.Tensor], layout: PoolLayout) -> None:
+        """(Re)attach the pool as block views (``transfer.base``). Geometry must not change."""
         if layout.geometry != self.layout.geometry or layout.dtype != self.layout.dtype:
             raise LayoutError(
                 f"pool geometry {layout.geometry}/{layout.dtype} differs from the engine's {self.layout.geometry}/{self.layout.dtype}"
             )
+        devices = {v.device for v in views}
+        if len(devices) != 1:
+            raise LayoutError(f"block views must live on one device, got {sorted(map(str, devices))}")
+        device = devices.pop()
         with self._lock:
             self.wait_all()
             self.layout = layout
-            self._pool = pool
-            self._views = [pool.view(torch.uint8).reshape(layout.num_blocks, -1)]
+            self._views = list(views)
             self._start_pinner_locked()
-            if pool.is_cuda:
+            if device.type == "cuda":
                 # Three distinct streams from torch's pool: store, load, and a spare used when the
                 # caller's own stream happens to be one of ours (torch hands pool streams out in
                 # rotation, so an engine's forward stream can alias a side stream).
-                self._streams = tuple(torch.cuda.Stream(pool.device) for _ in range(3))
+                self._streams = tuple(torch.cuda.Stream(device) for _ in range(3))
             else:
                 self._streams = None
 
@@ -534,7 +540,7 @@ class CacheEngine:
         return self.hasher.chunk_keys(tokens)
 
     def _check_blocks(self, num_tokens: int, block_ids: Sequence[int]) -> None:
-        if self._pool is None:
+        if not self._views:
             raise LayoutError("no KV pool registered: call register_pool first")
         needed = -(-num_tokens // self.layout.tokens_per_block)
         if len(block_ids) < needed:

@@ -50,7 +50,7 @@ class Namespace:
 
     model_id: str
     kv_dtype: str
-    geometry: tuple[int, ...]
+    geometry: tuple[int | str, ...]
     chunk_size: int
     tp_rank: int = 0
     tp_size: int = 1

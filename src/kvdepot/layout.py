@@ -32,6 +32,9 @@ class PoolLayout:
     dtype: torch.dtype
     tokens_per_block: int
     chunk_size: int
+    # What decides the bytes' meaning when the pool is not TensorRT-LLM's (e.g. "vllm:CPU_ATTN:LBHNC"):
+    # part of the geometry, so chunks of differently laid-out pools never share keys.
+    tag: str = "trtllm"
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_layers", "block_elems", "tokens_per_block", "chunk_size"):
@@ -65,6 +68,32 @@ class PoolLayout:
         nb, nl, kf, elems = pool.shape
         return cls(nb, nl, kf, elems, pool.dtype, tokens_per_block, chunk_size)
 
+    @classmethod
+    def from_views(
+        cls,
+        views: Sequence[torch.Tensor],
+        dtype: torch.dtype,
+        tokens_per_block: int,
+        chunk_size: int,
+        *,
+        kv_factor: int = 2,
+        tag: str,
+    ) -> PoolLayout:
+        """The geometry of a pool given as per-layer block views (``transfer.base``), one per layer."""
+        if not views:
+            raise LayoutError("no KV cache views to register")
+        for v in views:
+            if v.dtype != torch.uint8 or v.dim() != 2:
+                raise LayoutError(f"block views must be 2-D uint8 [num_blocks, seg_bytes], got {v.dtype} {tuple(v.shape)}")
+        num_blocks, seg = views[0].shape
+        if any(tuple(v.shape) != (num_blocks, seg) for v in views):
+            shapes = sorted({tuple(v.shape) for v in views})
+            raise LayoutError(f"every layer's blocks must be the same size; got views of shapes {shapes}")
+        es = torch.empty((), dtype=dtype).element_size()
+        if seg % (es * kv_factor):
+            raise LayoutError(f"a layer segment of {seg} B is not {kv_factor} x whole {dtype} elements")
+        return cls(num_blocks, len(views), kv_factor, seg // es // kv_factor, dtype, tokens_per_block, chunk_size, tag)
+
     @property
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
@@ -83,9 +112,13 @@ class PoolLayout:
         return self.blocks_per_chunk * self.bytes_per_block
 
     @property
-    def geometry(self) -> tuple[int, ...]:
-        """What must match for two pools' chunks to be interchangeable (num_blocks may differ)."""
-        return (self.num_layers, self.kv_factor, self.block_elems, self.element_size, self.tokens_per_block)
+    def geometry(self) -> tuple[int | str, ...]:
+        """What must match for two pools' chunks to be interchangeable (num_blocks may differ).
+
+        TensorRT-LLM pools keep the untagged form, so their keys never changed when tags came in.
+        """
+        base = (self.num_layers, self.kv_factor, self.block_elems, self.element_size, self.tokens_per_block)
+        return base if self.tag == "trtllm" else (self.tag, *base)
 
     @property
     def dtype_name(self) -> str:

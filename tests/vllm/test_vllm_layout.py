@@ -14,11 +14,10 @@ from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 from kvdepot.errors import LayoutError
 from kvdepot.integrations.vllm.layout import (
-    ViewsCacheEngine,
-    ViewsLayout,
     block_view,
     views_from_kv_caches,
 )
+from kvdepot.layout import PoolLayout
 
 L, NB, H, N, C = 3, 12, 2, 4, 16  # layers, blocks, kv heads, tokens per block, content elements
 ORDERS = {  # vLLM's KVCacheLayout stride orders over logical [L, B, H, N, C]
@@ -49,11 +48,11 @@ def fill(caches: dict[str, torch.Tensor], seed: int = 0) -> None:
         t.copy_(torch.randn(t.shape, generator=gen))
 
 
-def engine_for(caches: dict[str, torch.Tensor], tag: str = "vllm:TEST:LBHNC", chunk: int = 8) -> ViewsCacheEngine:
+def engine_for(caches: dict[str, torch.Tensor], tag: str = "vllm:TEST:LBHNC", chunk: int = 8) -> CacheEngine:
     config = load_config(chunk_size=chunk, host_capacity_gb=0.01, model_id="tiny")
     _, views = views_from_kv_caches(caches, NB)
-    layout = ViewsLayout.from_views(views, torch.float32, N, chunk, tag=tag)
-    return ViewsCacheEngine.for_views(views, layout, config)
+    layout = PoolLayout.from_views(views, torch.float32, N, chunk, tag=tag)
+    return CacheEngine.for_views(views, layout, config)
 
 
 @pytest.mark.parametrize("order", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
@@ -133,8 +132,8 @@ def test_reregistering_views_of_another_geometry_is_refused() -> None:
     caches = make_caches("LBHNC")
     engine = engine_for(caches)
     _, views = views_from_kv_caches(caches, NB)
-    engine.register_views(views, ViewsLayout.from_views(views, torch.float32, N, 8, tag="vllm:TEST:LBHNC"))
+    engine.register_views(views, PoolLayout.from_views(views, torch.float32, N, 8, tag="vllm:TEST:LBHNC"))
     with pytest.raises(LayoutError, match="geometry"):
-        engine.register_views(views, ViewsLayout.from_views(views, torch.float32, N, 8, tag="other"))
-    with pytest.raises(LayoutError, match="register_views"):
+        engine.register_views(views, PoolLayout.from_views(views, torch.float32, N, 8, tag="other"))
+    with pytest.raises(LayoutError, match="geometry"):  # a TensorRT-LLM pool is another geometry
         engine.register_pool(torch.zeros(NB, L, 2, 8))

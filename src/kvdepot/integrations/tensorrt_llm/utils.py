@@ -9,18 +9,17 @@ constructor waits on the other.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import torch
 
 from kvdepot.config import DepotConfig, load_config
 from kvdepot.engine import CacheEngine
+from kvdepot.integrations.slot import EngineSlot
 
 logger = logging.getLogger("kvdepot")
 
-_lock = threading.Lock()
-_engine: CacheEngine | None = None
+_slot = EngineSlot()
 
 
 def tokens_per_block(llm_args: Any) -> int:
@@ -51,31 +50,22 @@ def depot_config(llm_args: Any) -> DepotConfig:
 
 def get_or_create_engine(llm_args: Any, pool: torch.Tensor) -> CacheEngine:
     """The process's engine: created on the first call, re-registered with the new pool after."""
-    global _engine
-    with _lock:
-        if _engine is not None:
-            _engine.register_pool(pool)
-            logger.info("kvdepot: re-registered KV pool %s on the existing engine", tuple(pool.shape))
-            return _engine
+
+    def create() -> CacheEngine:
         rank, size = tp_rank_and_size(llm_args)
         config = depot_config(llm_args)
-        _engine = CacheEngine.for_pool(pool, tokens_per_block(llm_args), config, tp_rank=rank, tp_size=size)
+        engine = CacheEngine.for_pool(pool, tokens_per_block(llm_args), config, tp_rank=rank, tp_size=size)
         logger.info(
             "kvdepot: engine ready (pool %s %s, %d B/block, chunk %d tokens, host %d chunks)",
-            tuple(pool.shape), pool.dtype, _engine.layout.bytes_per_block, config.chunk_size, _engine.host.num_slots,
+            tuple(pool.shape), pool.dtype, engine.layout.bytes_per_block, config.chunk_size, engine.host.num_slots,
         )
-        return _engine
+        return engine
+
+    engine, created = _slot.get_or_create(create, lambda e: e.register_pool(pool))
+    if not created:
+        logger.info("kvdepot: re-registered KV pool %s on the existing engine", tuple(pool.shape))
+    return engine
 
 
-def current_engine() -> CacheEngine | None:
-    """The engine if the worker has registered its pool yet; never blocks."""
-    return _engine
-
-
-def destroy_engine() -> None:
-    """Drop the singleton (tests, shutdown). Safe when none exists."""
-    global _engine
-    with _lock:
-        if _engine is not None:
-            _engine.close()
-        _engine = None
+current_engine = _slot.current
+destroy_engine = _slot.destroy

@@ -49,13 +49,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine, StoreHandle
 from kvdepot.integrations.vllm.layout import (
-    ViewsLayout,
     current_engine,
     get_or_create_engine,
     views_from_kv_caches,
 )
 from kvdepot.integrations.vllm.metadata import KvDepotVllmMetadata, VllmRequestMeta
 from kvdepot.keys import ChunkHasher
+from kvdepot.layout import PoolLayout
 
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -428,7 +428,7 @@ class _Worker:
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
         kv_factor = 1 if isinstance(spec, MLAAttentionSpec) else 2
-        layout = ViewsLayout.from_views(
+        layout = PoolLayout.from_views(
             views, spec.dtype, int(spec.block_size), config.chunk_size, kv_factor=kv_factor,
             tag=f"vllm:{backend}:{kv_layout}",
         )

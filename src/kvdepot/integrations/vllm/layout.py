@@ -8,7 +8,7 @@ rows). kvdepot never interprets those bytes: it only needs, per layer, the byte 
 block. ``block_view`` reads that span from the tensor's strides, for any layout in which a
 block's bytes are dense within a layer (LBHNC, LBNHC, BLHNC, …), and refuses the others.
 
-The views go to the core's transfer contract (``kvdepot.transfer.base``): block ``b`` of the
+``PoolLayout.from_views`` and ``CacheEngine.for_views`` take them from there. The views go to the core's transfer contract (``kvdepot.transfer.base``): block ``b`` of the
 pool is ``views[0][b] ‖ views[1][b] ‖ …`` with one view per layer, sorted by layer name, so a
 chunk's bytes do not depend on allocation order. Keys, tiers and exactness are the core's:
 only the geometry in the namespace differs from TensorRT-LLM's, because the bytes differ.
@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +28,7 @@ import torch
 from kvdepot.config import DepotConfig
 from kvdepot.engine import CacheEngine
 from kvdepot.errors import LayoutError
-from kvdepot.keys import Namespace
+from kvdepot.integrations.slot import EngineSlot
 from kvdepot.layout import PoolLayout
 
 logger = logging.getLogger("kvdepot")
@@ -80,101 +78,6 @@ def block_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return flat.as_strided((num_blocks, block_bytes), (stride_bytes, 1), t.storage_offset() * es)
 
 
-@dataclass(frozen=True)
-class ViewsLayout(PoolLayout):
-    """A pool presented as per-layer block views: ``num_layers`` views of equal segments.
-
-    ``kv_factor * block_elems`` elements of ``dtype`` are one layer's segment of a block.
-    ``tag`` names what decides the bytes' meaning (engine, attention backend, KV layout); it
-    is part of the geometry, so chunks of differently laid-out pools never share keys.
-    """
-
-    tag: str = "views"
-
-    @classmethod
-    def from_views(
-        cls,
-        views: Sequence[torch.Tensor],
-        dtype: torch.dtype,
-        tokens_per_block: int,
-        chunk_size: int,
-        *,
-        kv_factor: int = 2,
-        tag: str = "views",
-    ) -> ViewsLayout:
-        if not views:
-            raise LayoutError("no KV cache views to register")
-        for v in views:
-            if v.dtype != torch.uint8 or v.dim() != 2:
-                raise LayoutError(f"block views must be 2-D uint8 [num_blocks, seg_bytes], got {v.dtype} {tuple(v.shape)}")
-        num_blocks, seg = views[0].shape
-        if any(tuple(v.shape) != (num_blocks, seg) for v in views):
-            shapes = sorted({tuple(v.shape) for v in views})
-            raise LayoutError(f"kvdepot needs every layer's blocks to be the same size; got views of shapes {shapes}")
-        es = torch.empty((), dtype=dtype).element_size()
-        if seg % (es * kv_factor):
-            raise LayoutError(f"a layer segment of {seg} B is not {kv_factor} x whole {dtype} elements")
-        return cls(num_blocks, len(views), kv_factor, seg // es // kv_factor, dtype, tokens_per_block, chunk_size, tag)
-
-    @property
-    def geometry(self) -> tuple[Any, ...]:
-        """The TensorRT-LLM geometry, led by the tag: equal only for byte-identical chunks."""
-        return (self.tag, *super().geometry)
-
-
-class ViewsCacheEngine(CacheEngine):
-    """A ``CacheEngine`` over block views built by an adapter, not over a TensorRT-LLM pool.
-
-    Everything but pool registration is the core engine's: lookups, leases, stores,
-    retrieves, tiers and stats. (The core change that makes this subclass unnecessary is a
-    ``CacheEngine.register_views``; see docs/vllm.md.)
-    """
-
-    @classmethod
-    def for_views(
-        cls, views: Sequence[torch.Tensor], layout: ViewsLayout, config: DepotConfig, **ns: Any
-    ) -> ViewsCacheEngine:
-        namespace = Namespace(
-            model_id=ns.pop("model_id", config.model_id),
-            kv_dtype=layout.dtype_name,
-            geometry=layout.geometry,
-            chunk_size=layout.chunk_size,
-            cache_salt=ns.pop("cache_salt", config.cache_salt),
-            **ns,
-        )
-        engine = cls(layout, config, namespace=namespace)
-        engine.register_views(views, layout)
-        return engine
-
-    def register_pool(self, pool: torch.Tensor) -> None:
-        raise LayoutError("a views engine is registered with register_views(views, layout), not a pool tensor")
-
-    def register_views(self, views: Sequence[torch.Tensor], layout: ViewsLayout) -> None:
-        """(Re)attach the block views, e.g. after vLLM reallocates its caches. Geometry must not change."""
-        if layout.geometry != self.layout.geometry or layout.dtype != self.layout.dtype:
-            raise LayoutError(
-                f"views geometry {layout.geometry}/{layout.dtype} differs from the engine's {self.layout.geometry}/{self.layout.dtype}"
-            )
-        devices = {v.device for v in views}
-        if len(devices) != 1:
-            raise LayoutError(f"block views span several devices: {sorted(map(str, devices))}")
-        device = devices.pop()
-        # NOTE: this mirrors CacheEngine.register_pool's body (attributes, arena growth, the
-        # store/load/spare streams); the core's register_views would make it one line.
-        with self._lock:
-            self.wait_all()
-            self.layout = layout
-            self._views = list(views)
-            self._pool = self._views[0]  # the core checks registration through _pool
-            grow = getattr(self, "_grow_ahead_locked", None)
-            if grow is not None:
-                grow()
-            if device.type == "cuda":
-                self._streams = tuple(torch.cuda.Stream(device) for _ in range(3))
-            else:
-                self._streams = None
-
-
 def views_from_kv_caches(
     kv_caches: Mapping[str, torch.Tensor], num_blocks: int, layer_names: Sequence[str] | None = None
 ) -> tuple[list[str], list[torch.Tensor]]:
@@ -222,33 +125,18 @@ def _interleaved(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape[1] <= offset and offset + b.shape[1] <= a.stride(0)
 
 
-_lock = threading.Lock()
-_engine: ViewsCacheEngine | None = None
+_slot = EngineSlot()
 
 
-def get_or_create_engine(
-    views: Sequence[torch.Tensor], layout: ViewsLayout, config: DepotConfig, **ns: Any
-) -> ViewsCacheEngine:
+def get_or_create_engine(views: Sequence[torch.Tensor], layout: PoolLayout, config: DepotConfig, **ns: Any) -> CacheEngine:
     """The process's engine: created by the first worker registration, re-registered after."""
-    global _engine
-    with _lock:
-        if _engine is not None:
-            _engine.register_views(views, layout)
-            logger.info("kvdepot: re-registered %d vLLM KV views on the existing engine", len(views))
-            return _engine
-        _engine = ViewsCacheEngine.for_views(views, layout, config, **ns)
-        return _engine
+    engine, created = _slot.get_or_create(
+        lambda: CacheEngine.for_views(views, layout, config, **ns), lambda e: e.register_views(views, layout)
+    )
+    if not created:
+        logger.info("kvdepot: re-registered %d vLLM KV views on the existing engine", len(views))
+    return engine
 
 
-def current_engine() -> ViewsCacheEngine | None:
-    """The engine once a worker of this process registered its caches; never blocks."""
-    return _engine
-
-
-def destroy_engine() -> None:
-    """Drop the process's engine (tests, shutdown). Safe when none exists."""
-    global _engine
-    with _lock:
-        if _engine is not None:
-            _engine.close()
-        _engine = None
+current_engine = _slot.current
+destroy_engine = _slot.destroy
