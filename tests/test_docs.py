@@ -25,7 +25,7 @@ def test_readme_setup_commands_are_the_ci_ones() -> None:
 
 def test_cli_subcommands_parse() -> None:
     parser = build_parser()
-    for argv in (["demo", "--help"], ["config"], ["bench", "transfer"], ["bench", "lookup"], ["bench", "ttft"]):
+    for argv in (["demo", "--help"], ["config"], ["bench", "transfer"], ["bench", "lookup"], ["bench", "ttft"], ["bench", "tiers"], ["bench", "mp"], ["stats"]):
         if "--help" in argv:
             continue
         assert parser.parse_args(argv).func is not None

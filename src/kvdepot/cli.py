@@ -18,6 +18,7 @@ BENCHES = {
     "transfer": ("kvdepot.bench.transfer", "store/retrieve GB/s of whole blocks vs pinned memcpy, same run"),
     "lookup": ("kvdepot.bench.lookup", "time to key and look up a long prompt (CPU)"),
     "ttft": ("kvdepot.bench.ttft", "TTFT of recompute vs a kvdepot hit in the reference runtime, and miss overhead"),
+    "tiers": ("kvdepot.bench.tiers", "disk and Redis tiers vs raw I/O of the same bytes, and TTFT of hits served from each tier"),
     "mp": ("kvdepot.bench.mp", "server store/retrieve GB/s vs in-process and pinned memcpy; LOOKUP round trip"),
 }
 

@@ -1,0 +1,73 @@
+"""``kvdepot bench tiers`` on tiny sizes: every part runs, its rows are sane, and it leaves nothing
+behind (temp directory, redis-server it started, Redis keys, KVDEPOT_* environment, torch threads)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from kvdepot.bench import tiers
+
+if TYPE_CHECKING:
+    from conftest import RedisServer  # tests/conftest.py
+
+needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server binary not found")
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    tiers.add_arguments(parser)
+    return parser.parse_args(["--chunk-mib", "0.25", "--chunks", "2", "--reps", "1", *argv])
+
+
+def kvdepot_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("KVDEPOT_")}
+
+
+@needs_redis
+def test_all_parts_start_and_stop_their_own_redis(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVDEPOT_CHUNK_SIZE", "64")
+    started = []
+    start = tiers._start_redis
+    monkeypatch.setattr(tiers, "_start_redis", lambda *a: started.append(start(*a)) or started[-1])
+    env, threads = kvdepot_env(), torch.get_num_threads()
+    rows = tiers.run(bench_args("--disk-path", str(tmp_path), "--model", "tiny", "--prompt-tokens", "200", "--prompts", "2"))
+    out = capsys.readouterr().out
+    assert "kvdepot bench tiers" in out and "TTFT" in out
+    assert [(r["tier"], r["op"]) for r in rows[:4]] == [
+        ("disk", "put / write"), ("disk", "get / read"), ("redis", "put / SET"), ("redis", "get / GET")]
+    for row in rows[:4]:
+        assert row["tier GB/s"] > 0 and row["raw GB/s"] > 0
+        assert row["ratio"] == pytest.approx(row["tier GB/s"] / row["raw GB/s"])
+    phases = {r["phase"]: r for r in rows[4:]}
+    assert list(phases) == ["recompute", "host-memory hit", "disk hit", "redis hit"]
+    for name in ("host-memory hit", "disk hit", "redis hit"):
+        assert phases[name]["tokens loaded"] == 192 and phases[name]["tokens==recompute"]  # 3 chunks of 64
+    assert phases["disk hit"]["async load"] and phases["redis hit"]["async load"]
+    assert not phases["host-memory hit"]["async load"]
+    assert len(started) == 1 and started[0][0].poll() is not None  # the server it started is gone
+    assert list(tmp_path.iterdir()) == []  # files and the TTFT disk tier removed
+    assert kvdepot_env() == env and torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("o_direct", ["auto", "false"])
+def test_disk_part_with_an_unaligned_chunk(tmp_path: Path, o_direct: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A chunk size that is no multiple of 4 KiB: the raw O_DIRECT path pads like the tier does."""
+    rows = tiers.run(bench_args("--parts", "disk", "--chunk-mib", "0.1", "--disk-path", str(tmp_path), "--o-direct", o_direct))
+    assert [r["op"] for r in rows] == ["put / write", "get / read"]
+    if o_direct == "false":
+        assert not rows[0]["O_DIRECT"] and rows[0]["reads"] in ("disk (page cache dropped)", "memory (tmpfs)")
+    assert str(tmp_path) in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_redis_part_on_a_given_server_leaves_no_keys(redis_server: RedisServer) -> None:
+    rows = tiers.run(bench_args("--parts", "redis", "--remote-url", redis_server.url))
+    assert [r["op"] for r in rows] == ["put / SET", "get / GET"]
+    assert redis_server.client().dbsize() == 0
