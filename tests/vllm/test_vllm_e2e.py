@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import REDIS_SERVER, SKIP_REASON, VLLM_MISSING, Redis
+from vllm_helpers import SKIP_REASON, VLLM_MISSING
 
 from kvdepot.integrations.vllm.bench import Child, random_prompt
+from redis_server import REDIS_SERVER, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON)]
 
@@ -33,7 +34,9 @@ LOGPROB_TOL = 1e-3  # fp32; the hit computes its tail in one step instead of fou
 @pytest.fixture(scope="module")
 def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("kvdepot-e2e")
-    redis = Redis(tmp) if REDIS_SERVER else None
+    redis = RedisServer(tmp) if REDIS_SERVER else None
+    if redis is not None:
+        redis.start()
     try:
         common = {"model": tiny_model, "max_tokens": 8, "max_num_batched_tokens": 512}
         extra = {"chunk_size": CHUNK, "host_capacity_gb": 0.25}
