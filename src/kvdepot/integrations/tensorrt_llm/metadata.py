@@ -10,18 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvdepot.integrations.deltas import RequestDelta
+
 
 @dataclass
-class RequestMeta:
-    """One request's instructions for this step."""
+class RequestMeta(RequestDelta):
+    """One request's instructions for this step (ids are TensorRT-LLM's integers)."""
 
-    request_id: int
-    new_keys: list[bytes] = field(default_factory=list)  # appended to the worker's chunk keys
-    new_block_ids: list[int] = field(default_factory=list)  # appended to the worker's block list
-    load_skip_blocks: int = 0  # load blocks [skip, skip + num) of the request ...
-    load_num_blocks: int = 0  # ... (0: nothing to load this step)
     load_async: bool = False  # parked by TensorRT-LLM: load when promoted, report via get_finished
-    save_upto_chunks: int = 0  # the request's first N chunks are computed: save those not saved yet
 
 
 @dataclass

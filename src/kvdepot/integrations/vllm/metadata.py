@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvdepot.integrations.deltas import RequestDelta
+
 try:  # the metadata must be vLLM's type when vLLM is there; the fields are ours either way
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 except ImportError:  # pragma: no cover - vLLM-free imports (docs, layout tests)
@@ -18,15 +20,9 @@ except ImportError:  # pragma: no cover - vLLM-free imports (docs, layout tests)
 
 
 @dataclass
-class VllmRequestMeta:
-    """One request's instructions for this step."""
+class VllmRequestMeta(RequestDelta):
+    """One request's instructions for this step (ids are vLLM's strings)."""
 
-    request_id: str
-    new_keys: list[bytes] = field(default_factory=list)  # appended to the worker's chunk keys
-    new_block_ids: list[int] = field(default_factory=list)  # appended to the worker's block list
-    load_skip_blocks: int = 0  # load blocks [skip, skip + num) of the request ...
-    load_num_blocks: int = 0  # ... (0: nothing to load this step)
-    save_upto_chunks: int = 0  # the request's first N chunks are computed: save those not saved yet
     reset: bool = False  # drop the worker's state for this id first (new or resumed request)
 
 
