@@ -29,6 +29,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def kvdepot_env_cleared(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No KVDEPOT_* configuration leaks in from the environment running the tests."""
+    for key in ("KVDEPOT_CONFIG_FILE", "KVDEPOT_CHUNK_SIZE", "KVDEPOT_HOST_CAPACITY_GB", "KVDEPOT_SAVE_DECODE_CACHE"):
+        monkeypatch.delenv(key, raising=False)
+
+
+@pytest.fixture
 def redis_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     """Start redis-servers (extra command-line arguments allowed); all are killed at teardown."""
     if REDIS_SERVER is None:

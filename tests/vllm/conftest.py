@@ -16,9 +16,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture(autouse=True)
-def fresh_vllm_engine_singleton(monkeypatch: pytest.MonkeyPatch):
-    for key in ("KVDEPOT_CONFIG_FILE", "KVDEPOT_CHUNK_SIZE", "KVDEPOT_HOST_CAPACITY_GB", "KVDEPOT_SAVE_DECODE_CACHE"):
-        monkeypatch.delenv(key, raising=False)
+def fresh_vllm_engine_singleton(kvdepot_env_cleared: None):
     destroy_engine()
     yield
     destroy_engine()
