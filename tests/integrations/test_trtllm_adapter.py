@@ -122,6 +122,28 @@ def save_prompt(scheduler: Any, worker: Any, rid: int, tokens: list[int]) -> Non
     worker.bind_connector_meta(scheduler.build_connector_meta(out))
     worker.start_load_kv(None)
     worker.wait_for_save(None)
+    worker.get_finished([], [])  # TensorRT-LLM polls every iteration; this enqueues the step's saves
+
+
+def test_saves_are_enqueued_after_sampling_not_in_wait_for_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    """wait_for_save only notes the saves (the sampler's copy must not queue behind them); the
+    next get_finished enqueues them, and the request is reported once they are done."""
+    scheduler, worker, pool = setup_pair(monkeypatch)
+    worker.register_kv_caches(pool)
+    tokens = list(range(256))
+    blocks = list(range(len(tokens) // TPB))
+    scheduler.get_num_new_matched_tokens(FakeRequest(1, tokens), 0)
+    scheduler.update_state_after_alloc(FakeRequest(1, tokens), blocks)
+    out = SchedulerOutput(new_requests=[RequestData(1, tokens, blocks, 0, len(tokens))])
+    worker.bind_connector_meta(scheduler.build_connector_meta(out))
+    worker.start_load_kv(None)
+    worker.wait_for_save(None)
+    engine = current_engine()
+    assert engine.stats().stored_chunks == 0
+    assert scheduler.request_finished(FakeRequest(1, tokens), blocks) is True
+    assert worker.get_finished([1], []) == ([1], [])
+    assert engine.stats().stored_chunks == 4
+    assert engine.lookup(tokens) == 256
 
 
 def test_scheduler_answers_no_hit_until_the_worker_registers(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,8 +13,9 @@ Scheduler (rank 0)                                  Worker (every rank)
   LOOKUP + QUERY_PREFETCH_STATUS: in host memory ->   register_kv_caches -> REGISTER its shard (CUDA
   sync; still promoted from disk/Redis -> is_async    IPC / shared file / bytes) with the server
   (loaded via update_state_after_alloc's blocks)      start_load_kv -> RETRIEVE (server copies)
-  hits count only where every TP rank holds the       wait_for_save -> STORE, done when replied
-  chunk (the server checks; keys are rank-free)       get_finished -> saves replied, async loads in
+  hits count only where every TP rank holds the       wait_for_save -> notes the step's saves
+  chunk (the server checks; keys are rank-free)       get_finished -> STORE (after sampling); saves
+                                                      replied, async loads in
 
 IPC constraint: the server maps the worker's pool, so server and engine share the machine (and
 the GPUs); over TCP to another host only "bytes" pools work. If the server is down, lookups
