@@ -58,6 +58,45 @@ def memcpy_ceiling(nbytes: int, device: torch.device, reps: int) -> tuple[float,
     return nbytes / h2d / 1e9, nbytes / d2h / 1e9, 2 * nbytes / both_s / 1e9
 
 
+def gpu_timeline(fn: Callable[[], Any]) -> dict[str, float]:
+    """Where one call's wall time goes on the GPU, from a torch.profiler trace (CUDA only):
+
+    lead-in ms   from the call until the first GPU activity starts (host-side work)
+    copy ms      time the copy engines are busy (union of memcpy intervals)
+    kernel ms    time kernels run (union), e.g. gathers and scatters
+    idle ms      GPU span in which neither runs (gaps between dependent operations)
+    tail ms      from the last GPU activity's end until the call returned and synchronized
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("kvdepot.timed"):
+            fn()
+            torch.cuda.synchronize()
+    events = prof.events()
+    outer = next(e for e in events if e.name == "kvdepot.timed")
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    if not gpu:
+        return {}
+    copies = [(e.time_range.start, e.time_range.end) for e in gpu if "memcpy" in e.name.lower()]
+    kernels = [(e.time_range.start, e.time_range.end) for e in gpu if "memcpy" not in e.name.lower()]
+    start, end = min(e.time_range.start for e in gpu), max(e.time_range.end for e in gpu)
+    busy = _union(copies + kernels)
+    return {"lead-in ms": (start - outer.time_range.start) / 1e3, "copy ms": _union(copies) / 1e3,
+            "kernel ms": _union(kernels) / 1e3, "idle ms": (end - start - busy) / 1e3,
+            "tail ms": (outer.time_range.end - end) / 1e3}
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
 def print_table(title: str, rows: Sequence[dict[str, Any]]) -> None:
     """A plain fixed-width table (what the README and closing notes quote)."""
     if not rows:

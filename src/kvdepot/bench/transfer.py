@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from kvdepot.bench.common import device_name, median_seconds, memcpy_ceiling, print_table
+from kvdepot.bench.common import device_name, gpu_timeline, median_seconds, memcpy_ceiling, print_table
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 from kvdepot.transfer import MOVERS
@@ -25,9 +25,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--tokens-per-block", type=int, default=32)
     parser.add_argument("--chunk-size", type=int, default=256)
-    parser.add_argument("--blocks", type=int, default=None, help="blocks moved per operation (default: 256 on CUDA, 32 on CPU)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens moved per operation, the same prefix for every shape (default: 8192 on CUDA, 1024 on CPU)")
+    parser.add_argument("--blocks", type=int, default=None, help="blocks moved per operation (overrides --tokens)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--mover", choices=sorted(MOVERS) + ["all"], default="all", help="transfer path(s) to measure")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also attribute one store and one retrieve: CPU lead-in, copy-engine busy time, gaps (CUDA)")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -40,7 +44,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
     device = torch.device(args.device)
     chunk_blocks = args.chunk_size // args.tokens_per_block
-    moved = args.blocks or (256 if device.type == "cuda" else 32)
+    tokens = getattr(args, "tokens", None) or (8192 if device.type == "cuda" else 1024)
+    moved = getattr(args, "blocks", None) or max(chunk_blocks, tokens // args.tokens_per_block)
     moved -= moved % chunk_blocks
     elems = args.kv_heads * args.tokens_per_block * args.head_dim
     pool = torch.empty((moved * 3, args.layers, 2, elems), dtype=torch.bfloat16, device=device)
@@ -92,6 +97,9 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
         handle.wait()
 
     both_s = median_seconds(both, device, args.reps) if device.type == "cuda" else float("nan")
+    timeline = {}
+    if getattr(args, "timeline", False) and device.type == "cuda":
+        timeline = {"store": gpu_timeline(store), "retrieve": gpu_timeline(retrieve)}
     engine.wait_all()
     engine.close()
     h2d, d2h, bidir = memcpy_ceiling(nbytes, device, args.reps)
@@ -104,4 +112,5 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
     ]
     for row in rows:
         row["ratio"] = row["GB/s"] / row["memcpy GB/s"]
+        row.update(timeline.get(row["op"], {}))
     return rows
