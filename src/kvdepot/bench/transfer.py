@@ -99,7 +99,7 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
     both_s = median_seconds(both, device, args.reps) if device.type == "cuda" else float("nan")
     timeline = {}
     if getattr(args, "timeline", False) and device.type == "cuda":
-        timeline = {"store": gpu_timeline(store), "retrieve": gpu_timeline(retrieve)}
+        timeline = {"retrieve": gpu_timeline(retrieve), "store": gpu_timeline(store)}  # a store evicts
     engine.wait_all()
     engine.close()
     h2d, d2h, bidir = memcpy_ceiling(nbytes, device, args.reps)
