@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import mmap
 import os
+import struct
 import threading
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from kvdepot.storage.disk import DiskTier
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
-SIZES = [0, 1, 4031, 4032, 4033, 4096, 70_001]  # around the 4 KiB alignment incl. the header
+SIZES = [0, 1, 4031, 4095, 4096, 4097, 8192, 70_001]  # around the 4 KiB alignment of the payload
 
 
 def key(i: int) -> ChunkKey:
@@ -57,7 +59,7 @@ def test_round_trip(tmp_path: Path, mode: str) -> None:
     assert tier.contains_many([key(0), key(99), key(1)]) == [True, False, True]
     s = tier.stats()
     assert (s.chunks, s.puts, s.hits, s.misses, s.corrupt) == (len(SIZES), len(SIZES), len(SIZES), 1, 0)
-    assert s.used_bytes == sum(codec.HEADER_BYTES + n for n in SIZES)
+    assert s.used_bytes == sum(disk.OFFSET + n for n in SIZES)
     assert sum(f.stat().st_size for f in files(tier)) == s.used_bytes  # padding truncated away
     assert tier.delete(key(0)) and not tier.delete(key(0)) and not tier.contains(key(0))
     assert len(files(tier)) == len(SIZES) - 1
@@ -97,7 +99,7 @@ def test_probe_on_this_filesystem_cleans_up(tmp_path: Path) -> None:
 
 def _flip_payload(path: Path) -> None:
     raw = bytearray(path.read_bytes())
-    raw[codec.HEADER_BYTES + 10] ^= 0x01
+    raw[disk.OFFSET + 10] ^= 0x01
     path.write_bytes(raw)
 
 
@@ -119,28 +121,50 @@ def _garbage(path: Path) -> None:
     path.write_bytes(os.urandom(path.stat().st_size))
 
 
+def _flip_padding(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[codec.HEADER_BYTES + 100] ^= 0x04  # between the header and the payload: must be zeros
+    path.write_bytes(raw)
+
+
+def _truncate_padding(path: Path) -> None:
+    os.truncate(path, disk.OFFSET - 1)
+
+
 def _foreign(path: Path) -> None:
-    path.write_bytes(codec.encode(OTHER_NS, key(1), payload(1)))
+    path.write_bytes(codec.encode_header(OTHER_NS, key(1), payload(1), aligned=True) + payload(1))
 
 
 def _other_key(path: Path) -> None:
-    path.write_bytes(codec.encode(NS, key(2), payload(1)))
+    path.write_bytes(codec.encode_header(NS, key(2), payload(1), aligned=True) + payload(1))
+
+
+def _unaligned_layout(path: Path) -> None:  # a valid Redis-layout object: not where the disk keeps it
+    path.write_bytes(codec.encode(NS, key(1), payload(1)).ljust(disk.OFFSET + len(payload(1)), b"\0"))
+
+
+def _version_1(path: Path) -> None:  # what kvdepot wrote before the aligned layout
+    raw = bytearray(codec.encode(NS, key(1), payload(1)))
+    struct.pack_into("<H", raw, 4, 1)
+    path.write_bytes(raw)
 
 
 @pytest.mark.parametrize(
-    "damage", [_flip_payload, _flip_header, _truncate, _truncate_header, _garbage, _foreign, _other_key]
+    "damage", [_flip_payload, _flip_header, _flip_padding, _truncate, _truncate_header, _truncate_padding,
+               _garbage, _foreign, _other_key, _unaligned_layout, _version_1]
 )
-def test_damaged_object_is_a_miss_removed_and_counted(tmp_path: Path, mode: str, damage) -> None:
+@pytest.mark.parametrize("into", [False, True], ids=["get", "get_into"])
+def test_damaged_object_is_a_miss_removed_and_counted(tmp_path: Path, mode: str, damage, into: bool) -> None:
     tier = make(tmp_path, mode)
     assert tier.put(key(1), payload(1))
     assert tier.put(key(3), payload(3))
     (path,) = [f for f in files(tier) if f.name == key(1).hex()]
     damage(path)
-    assert tier.get(key(1)) is None
+    assert (tier.get_into(key(1), aligned_buffer(2000)) if into else tier.get(key(1))) is None
     assert not path.exists() and not tier.contains(key(1))
     s = tier.stats()
     assert (s.corrupt, s.misses, s.chunks) == (1, 1, 1)
-    assert s.used_bytes == codec.HEADER_BYTES + len(payload(3))
+    assert s.used_bytes == disk.OFFSET + len(payload(3))
     assert tier.get(key(3)) == payload(3)  # neighbours untouched
     assert tier.put(key(1), payload(1)) and tier.get(key(1)) == payload(1)  # and it can come back
 
@@ -168,7 +192,7 @@ def test_restart_rebuilds_the_index(tmp_path: Path, mode: str) -> None:
 
 
 def test_restart_keeps_lru_order_and_capacity(tmp_path: Path) -> None:
-    size = codec.HEADER_BYTES + 1000
+    size = disk.OFFSET + 1000
     tier = make(tmp_path, "buffered", capacity=5 * size)
     for i in range(5):
         tier.put(key(i), payload(i))
@@ -181,7 +205,7 @@ def test_restart_keeps_lru_order_and_capacity(tmp_path: Path) -> None:
 
 
 def test_full_disk_evicts_lru_within_capacity(tmp_path: Path, mode: str) -> None:
-    size = codec.HEADER_BYTES + 1000
+    size = disk.OFFSET + 1000
     tier = make(tmp_path, mode, capacity=3 * size + 10)
     for i in range(3):
         assert tier.put(key(i), payload(i))
@@ -225,7 +249,7 @@ def test_bad_namespace_is_refused(tmp_path: Path) -> None:
 
 
 def test_concurrent_puts_and_gets_stay_within_capacity(tmp_path: Path) -> None:
-    tier = make(tmp_path, "buffered", capacity=8 * (codec.HEADER_BYTES + 2000))
+    tier = make(tmp_path, "buffered", capacity=8 * (disk.OFFSET + 2000))
     errors: list[BaseException] = []
 
     def work(offset: int) -> None:
@@ -250,20 +274,96 @@ def test_concurrent_puts_and_gets_stay_within_capacity(tmp_path: Path) -> None:
 
 
 def test_short_reads_and_writes_are_resumed(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Linux moves at most ~2 GiB per syscall: emulate that limit at a few KiB."""
-    real_writev, real_pread = os.writev, os.pread
-    monkeypatch.setattr(disk, "_MAX_IO", 2 * disk.ALIGN)
+    """Linux moves at most ~2 GiB per syscall: emulate that limit at a few KiB (whole blocks when
+    the file is opened with O_DIRECT, as the kernel's limit is)."""
+    real_preadv, real_pwritev = os.preadv, os.pwritev
+    step = 5000 if mode == "buffered" else 2 * disk.ALIGN
 
-    def short_writev(fd: int, parts: list[memoryview]) -> int:
-        first = memoryview(parts[0])
-        return real_writev(fd, [first[: min(first.nbytes, 5000 if mode == "buffered" else 8192)]])
+    def first(parts: list[memoryview], limit: int) -> list[memoryview]:
+        out = []
+        for part in map(memoryview, parts):
+            if limit <= 0:
+                break
+            out.append(part[:limit])
+            limit -= out[-1].nbytes
+        return out
 
-    def short_pread(fd: int, n: int, offset: int) -> bytes:
-        return real_pread(fd, min(n, 3000), offset)
-
-    monkeypatch.setattr(disk.os, "writev", short_writev)
-    monkeypatch.setattr(disk.os, "pread", short_pread)
+    monkeypatch.setattr(disk.os, "preadv", lambda fd, parts, at: real_preadv(fd, first(parts, step), at))
+    monkeypatch.setattr(disk.os, "pwritev", lambda fd, parts, at: real_pwritev(fd, first(parts, step), at))
     tier = make(tmp_path, mode)
     for i, n in enumerate([0, 4032, 30_000]):
         assert tier.put(key(i), payload(i, n))
         assert tier.get(key(i)) == payload(i, n)
+        out = aligned_buffer(n)
+        assert tier.get_into(key(i), out) == n and out[:n] == payload(i, n)
+
+
+def aligned_buffer(n: int, skew: int = 0) -> memoryview:
+    """``n`` writable bytes at ``skew`` bytes past a page boundary (a host-arena slot when 0)."""
+    return memoryview(mmap.mmap(-1, n + skew + 1))[skew : skew + n]
+
+
+@pytest.mark.parametrize("skew", [0, 8], ids=["aligned", "unaligned"])
+def test_get_into_a_caller_buffer(tmp_path: Path, mode: str, skew: int) -> None:
+    tier = make(tmp_path, mode)
+    for i, n in enumerate(SIZES):
+        assert tier.put(key(i), payload(i, n))
+    for i, n in enumerate(SIZES):
+        out = aligned_buffer(n + 100, skew)
+        out[n:] = b"\xee" * 100
+        assert tier.get_into(key(i), out) == n
+        assert out[:n] == payload(i, n) and out[n:] == b"\xee" * 100  # nothing written past the payload
+    assert tier.get_into(key(99), aligned_buffer(10)) is None
+    big = bytearray(70_001)  # any writable bytes-like object
+    assert tier.get_into(key(len(SIZES) - 1), big) == 70_001 and big == payload(len(SIZES) - 1, 70_001)
+    s = tier.stats()
+    assert (s.hits, s.misses, s.corrupt) == (len(SIZES) + 1, 1, 0)
+
+
+def test_get_into_a_buffer_too_small_raises_and_keeps_the_object(tmp_path: Path, mode: str) -> None:
+    tier = make(tmp_path, mode)
+    assert tier.put(key(1), payload(1, 5000))
+    with pytest.raises(ValueError, match="5000 bytes"):
+        tier.get_into(key(1), aligned_buffer(4999))
+    assert tier.contains(key(1)) and tier.stats().corrupt == 0
+    assert tier.get(key(1)) == payload(1, 5000)
+
+
+def test_get_returns_a_read_only_view_of_new_memory(tmp_path: Path, mode: str) -> None:
+    tier = make(tmp_path, mode)
+    assert tier.put(key(1), payload(1, 5000))
+    first, second = tier.get(key(1)), tier.get(key(1))
+    assert isinstance(first, memoryview) and first.readonly and first == payload(1, 5000)
+    assert first == second and first.obj is not second.obj
+
+
+def test_file_layout(tmp_path: Path, mode: str) -> None:
+    """Header, zeros to 4 KiB, the payload at 4096: the same bytes whatever the I/O mode."""
+    tier = make(tmp_path, mode)
+    data = payload(1, 5000)
+    assert tier.put(key(1), data)
+    (path,) = files(tier)
+    raw = path.read_bytes()
+    assert len(raw) == disk.OFFSET + len(data) == 4096 + 5000
+    assert raw[: disk.OFFSET] == codec.encode_header(NS, key(1), data, aligned=True)
+    assert raw[4:6] == codec.FORMAT_VERSION.to_bytes(2, "little") and raw[6:8] == codec.FLAG_ALIGNED.to_bytes(2, "little")
+    assert raw[codec.HEADER_BYTES : disk.OFFSET] == bytes(disk.OFFSET - codec.HEADER_BYTES)
+    assert raw[disk.OFFSET :] == data
+    assert codec.decode(raw, NS, key(1)) == data  # self-describing: the codec alone reads it
+
+
+def test_aligned_sources_and_destinations_take_no_bounce_copy(tmp_path: Path, mode: str) -> None:
+    """A page-aligned payload (a host-arena slot) is written from and read into in place; only an
+    unaligned one goes through the thread's aligned bounce buffer, and only under O_DIRECT."""
+    tier = make(tmp_path, mode)
+    src = aligned_buffer(3 * disk.ALIGN + 100)
+    src[:] = payload(1, src.nbytes)
+    assert tier.put(key(1), src)
+    out = aligned_buffer(src.nbytes)
+    assert tier.get_into(key(1), out) == src.nbytes and out == src
+    assert not hasattr(tier._local, "bounce")
+    assert tier.put(key(2), aligned_buffer(5000, skew=8))
+    assert tier.get_into(key(2), aligned_buffer(5000, skew=8)) == 5000
+    assert hasattr(tier._local, "bounce") is tier.o_direct
+    tier.close()
+    assert not hasattr(tier._local, "bounce") and not hasattr(tier._local, "blocks")

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from conftest import RedisServer  # tests/conftest.py
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server binary not found")
+DISK_OPS = ["put / write", "get_into / read", "get, new memory / read", "put, bytes / write"]
 
 
 def bench_args(*argv: str) -> argparse.Namespace:
@@ -40,12 +41,12 @@ def test_all_parts_start_and_stop_their_own_redis(tmp_path: Path, monkeypatch: p
     rows = tiers.run(bench_args("--disk-path", str(tmp_path), "--model", "tiny", "--prompt-tokens", "200", "--prompts", "2"))
     out = capsys.readouterr().out
     assert "kvdepot bench tiers" in out and "TTFT" in out
-    assert [(r["tier"], r["op"]) for r in rows[:4]] == [
-        ("disk", "put / write"), ("disk", "get / read"), ("redis", "put / SET"), ("redis", "get / GET")]
-    for row in rows[:4]:
+    assert [(r["tier"], r["op"]) for r in rows[:6]] == [("disk", op) for op in DISK_OPS] + [
+        ("redis", "put / SET"), ("redis", "get / GET")]
+    for row in rows[:6]:
         assert row["tier GB/s"] > 0 and row["raw GB/s"] > 0
         assert row["ratio"] == pytest.approx(row["tier GB/s"] / row["raw GB/s"])
-    phases = {r["phase"]: r for r in rows[4:]}
+    phases = {r["phase"]: r for r in rows[6:]}
     assert list(phases) == ["recompute", "host-memory hit", "disk hit", "redis hit"]
     for name in ("host-memory hit", "disk hit", "redis hit"):
         assert phases[name]["tokens loaded"] == 192 and phases[name]["tokens==recompute"]  # 3 chunks of 64
@@ -60,7 +61,7 @@ def test_all_parts_start_and_stop_their_own_redis(tmp_path: Path, monkeypatch: p
 def test_disk_part_with_an_unaligned_chunk(tmp_path: Path, o_direct: str, capsys: pytest.CaptureFixture[str]) -> None:
     """A chunk size that is no multiple of 4 KiB: the raw O_DIRECT path pads like the tier does."""
     rows = tiers.run(bench_args("--parts", "disk", "--chunk-mib", "0.1", "--disk-path", str(tmp_path), "--o-direct", o_direct))
-    assert [r["op"] for r in rows] == ["put / write", "get / read"]
+    assert [r["op"] for r in rows] == DISK_OPS
     if o_direct == "false":
         assert not rows[0]["O_DIRECT"] and rows[0]["reads"] in ("disk (page cache dropped)", "memory (tmpfs)")
     assert str(tmp_path) in capsys.readouterr().out

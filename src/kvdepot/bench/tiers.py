@@ -108,8 +108,8 @@ def _cpu_work(payload: bytes) -> dict[str, Callable[[], object]]:
 def _compare(args: argparse.Namespace, size: int, ops: list[tuple[str, Op, Op, float]], between: Callable[[int], object],
              cleanup: Callable[[int], object], **more: object) -> list[dict]:
     """Rows for ops (name, tier call, raw call, CPU ms per chunk the tier spends beyond the raw call,
-    from the standalone costs measured in this run). ``between`` runs untimed after the first op's
-    chunks, ``cleanup`` after the last; repetition 0 is a warm-up."""
+    from the standalone costs measured in this run). ``between`` runs untimed after each op's chunks
+    but the last's, ``cleanup`` after the last; repetition 0 is a warm-up."""
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, *_ in ops}
     for rep in range(args.reps + 1):
         for j, (name, tier, raw, _) in enumerate(ops):
@@ -119,7 +119,7 @@ def _compare(args: argparse.Namespace, size: int, ops: list[tuple[str, Op, Op, f
                     fn(rep, i)
                     if rep:
                         times[name][slot].append(time.perf_counter() - start)
-            (between if j == 0 else cleanup)(rep)
+            (cleanup if j == len(ops) - 1 else between)(rep)
     rows = []
     for name, _, _, cpu in ops:
         tier_s, raw_s = (statistics.median(t) for t in times[name])
@@ -160,34 +160,56 @@ def _drop_cache(root: Path) -> None:
 
 
 def _disk(args: argparse.Namespace, root: Path, payload: bytes, cost: dict[str, float]) -> list[dict]:
+    """put and get_into move the bytes as the raw calls do: from and into reused page-aligned buffers
+    (in the engine: host-arena slots). Labelled extras: get (new memory each call) and put of a
+    ``bytes`` object (unaligned, as a ``tobytes()`` copy of a slot is)."""
     n, size, reps = args.chunks, len(payload), range(args.reps + 1)
     tier = DiskTier(root / "tier", 4 * n * (size + 2 * ALIGN), NS, fsync=args.fsync,
                     o_direct={"auto": None, "true": True, "false": False}[args.o_direct])
     direct = tier.o_direct
     span = -(-size // ALIGN) * ALIGN if direct else size  # O_DIRECT moves whole blocks
-    wbuf, rbuf = mmap.mmap(-1, span), mmap.mmap(-1, span)  # page-aligned, as O_DIRECT needs
+    wbuf, rbuf, tbuf = (mmap.mmap(-1, span) for _ in range(3))  # page-aligned, as O_DIRECT needs
     wbuf[:size] = payload
+    src, dst = memoryview(wbuf)[:size], memoryview(tbuf)[:size]
     (root / "raw").mkdir()
-    keys = {rep: [_key() for _ in range(n)] for rep in reps}
-    paths = {rep: [root / "raw" / f"{rep}.{i}" for i in range(n)] for rep in reps}
-
-    def cleanup(rep: int) -> None:
-        for k, p in zip(keys[rep], paths[rep], strict=True):
-            tier.delete(k)
-            p.unlink()
-
-    ops: list[tuple[str, Op, Op, float]] = [
-        ("put / write", lambda r, i: _check(tier.put(keys[r][i], payload), "disk put refused"),
-         lambda r, i: _raw_io(paths[r][i], memoryview(wbuf), direct, True, args.fsync),
-         cost["xxh3"] + (cost["memcpy"] if direct else 0)),  # checksum; O_DIRECT: a copy into the aligned buffer
-        ("get / read", lambda r, i: _check(tier.get(keys[r][i]) is not None, "disk get missed a chunk it holds"),
-         lambda r, i: _check(_raw_io(paths[r][i], memoryview(rbuf), direct, False) >= size, "short read"),
-         cost["xxh3"] + cost["fresh"] - (0 if direct else cost["memcpy"])),  # checksum; the payload in fresh bytes
-    ]
     fs = _fs_type(root)
     source = "memory (tmpfs)" if fs.startswith("tmpfs") else "device (O_DIRECT)" if direct else "disk (page cache dropped)"
-    rows = _compare(args, size, ops, lambda rep: direct or _drop_cache(root), cleanup, O_DIRECT=direct, fsync=args.fsync,
-                    reads=source)
+
+    def put(data: memoryview | bytes) -> Callable[[ChunkKey], None]:
+        return lambda key: _check(tier.put(key, data), "disk put refused")
+
+    def get_into(key: ChunkKey) -> None:
+        _check(tier.get_into(key, dst) == size, "disk get_into missed a chunk it holds")
+
+    def get(key: ChunkKey) -> None:
+        _check(tier.get(key) is not None, "disk get missed a chunk it holds")
+
+    def write(path: Path) -> None:
+        _raw_io(path, memoryview(wbuf), direct, True, args.fsync)
+
+    def read(path: Path) -> None:
+        _check(_raw_io(path, memoryview(rbuf), direct, False) >= size, "short read")
+
+    def compare(tag: str, ops: list[tuple[str, Callable[[ChunkKey], None], Callable[[Path], None], float]]) -> list[dict]:
+        keys = {rep: [_key() for _ in range(n)] for rep in reps}
+        paths = {rep: [root / "raw" / f"{tag}.{rep}.{i}" for i in range(n)] for rep in reps}
+
+        def cleanup(rep: int) -> None:
+            for k, p in zip(keys[rep], paths[rep], strict=True):
+                tier.delete(k)
+                p.unlink()
+
+        timed: list[tuple[str, Op, Op, float]] = [
+            (name, lambda r, i, f=on_tier: f(keys[r][i]), lambda r, i, f=raw: f(paths[r][i]), cpu) for name, on_tier, raw, cpu in ops]
+        return _compare(args, size, timed, lambda rep: direct or _drop_cache(root), cleanup, O_DIRECT=direct,
+                        fsync=args.fsync, reads=source)
+
+    rows = compare("a", [  # extra CPU ms: what the tier does beyond the raw call (standalone costs of this run)
+        ("put / write", put(src), write, cost["xxh3"]),
+        ("get_into / read", get_into, read, cost["xxh3"]),
+        ("get, new memory / read", get, read, cost["xxh3"] + cost["fresh"] - cost["memcpy"]),  # + page faults
+    ])
+    rows += compare("b", [("put, bytes / write", put(payload), write, cost["xxh3"] + (cost["memcpy"] if direct else 0))])
     tier.close()
     return [{"tier": "disk", **row} for row in rows]
 

@@ -9,7 +9,12 @@
 * **Capacity.** Bytes of committed objects plus writes in flight never exceed ``capacity_bytes``;
   room is made by evicting least recently used objects (``policy.LRUPolicy``).
 * **O_DIRECT** when the directory's filesystem takes it (probed once with an aligned write), so
-  gigabytes of KV do not churn the page cache; otherwise (tmpfs, non-Linux) buffered I/O.
+  gigabytes of KV do not churn the page cache; otherwise (tmpfs, non-Linux) buffered I/O. An
+  object's header fills its first 4 KiB block (``codec.FLAG_ALIGNED``), so the payload sits at an
+  aligned offset and moves straight between the file and an aligned caller buffer (a host-arena
+  slot) in one ``pwritev``/``preadv`` with the header block: no copy of the payload either way.
+* **Reads into the caller's memory.** ``get_into(key, out)`` fills a buffer the caller reuses
+  (no page faults of fresh memory); ``get(key)`` returns new memory.
 
 Thread-safe: an index lock is held for bookkeeping only, never across file I/O.
 """
@@ -22,25 +27,37 @@ import mmap
 import os
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
+
+import numpy as np
 
 from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.storage import codec
 from kvdepot.storage.base import TierStats
-from kvdepot.storage.codec import HEADER_BYTES, Payload
+from kvdepot.storage.codec import Payload
 from kvdepot.storage.policy import POLICIES
 
 logger = logging.getLogger("kvdepot")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # module attribute so tests can emulate the aligned path
 ALIGN = 4096  # O_DIRECT offset/length/buffer alignment (a multiple of every logical block size)
-_MAX_IO = 1 << 30  # bytes asked of one read syscall (Linux returns at most ~2 GiB per call)
+OFFSET = codec.ALIGNED_OFFSET  # where the payload of every disk object starts (one aligned block)
 
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def _is_aligned(view: memoryview) -> bool:
+    """Whether ``view`` starts on an ``ALIGN`` boundary (what O_DIRECT asks of a buffer)."""
+    return not view.nbytes or np.frombuffer(view, np.uint8).ctypes.data % ALIGN == 0
+
+
+def _fresh(n: int) -> memoryview:
+    """``n`` bytes of new page-aligned memory (the kernel faults its pages in as it reads)."""
+    return memoryview(mmap.mmap(-1, _align(n) or ALIGN))[:n]
 
 
 def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
@@ -64,28 +81,22 @@ def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
             os.unlink(path)
 
 
-def _write_all(fd: int, parts: list[memoryview]) -> None:
-    """writev until every byte is written (Linux moves at most ~2 GiB per call)."""
-    parts = [part for part in parts if part.nbytes]
-    while parts:
-        done = os.writev(fd, parts)
-        while done:
-            if done >= parts[0].nbytes:
-                done -= parts.pop(0).nbytes
-            else:
-                parts[0], done = parts[0][done:], 0
-
-
-def _read_into(fd: int, buf: memoryview, offset: int) -> int:
-    """Fill ``buf`` from ``offset`` until it is full or the file ends; bytes read."""
-    got = 0
-    while got < buf.nbytes:
-        want = min(_MAX_IO, buf.nbytes - got)
-        n = os.preadv(fd, [buf[got : got + want]], offset + got)
-        got += n
-        if n < want:  # end of file (an O_DIRECT read may not resume at an unaligned offset)
+def _transfer(call: Callable[[int, list[memoryview], int], int], fd: int, parts: list[memoryview],
+              offset: int, want: int) -> int:
+    """``os.preadv``/``os.pwritev`` of ``parts`` at ``offset``, resumed after short transfers (Linux
+    moves at most ~2 GiB per call), until ``want`` bytes moved or the file ends; bytes moved."""
+    parts, done = [part for part in parts if part.nbytes], 0
+    while parts and done < want:
+        n = call(fd, parts, offset + done)
+        if n <= 0:
             break
-    return got
+        done += n
+        while n:
+            if n >= parts[0].nbytes:
+                n -= parts.pop(0).nbytes
+            else:
+                parts[0], n = parts[0][n:], 0
+    return done
 
 
 class DiskTier:
@@ -124,7 +135,7 @@ class DiskTier:
         self._used = 0  # bytes of committed objects
         self._reserved = 0  # bytes of writes in flight
         self._lock = threading.Lock()
-        self._local = threading.local()  # per-thread aligned buffer for O_DIRECT
+        self._local = threading.local()  # per-thread aligned buffers for O_DIRECT
         self._io_failing = False
         self._stats = TierStats(name=self.name, capacity_bytes=self.capacity_bytes)
         self._scan()
@@ -195,14 +206,27 @@ class DiskTier:
         with self._lock:
             return [key in self._sizes for key in keys]
 
-    def get(self, key: ChunkKey) -> bytes | None:
-        """The verified payload of ``key``; a corrupt object is deleted and counted."""
+    def get(self, key: ChunkKey) -> memoryview | None:
+        """The verified payload of ``key`` in new memory (a read-only view), or None on a miss; a
+        corrupt object is deleted and counted. ``get_into`` a reused buffer saves the page faults."""
+        payload = self._get(key, None)
+        return None if payload is None else payload.toreadonly()
+
+    def get_into(self, key: ChunkKey, out: Payload) -> int | None:
+        """Read ``key``'s verified payload into the writable buffer ``out`` (e.g. a host-arena slot;
+        page-aligned lets O_DIRECT fill it in place): its length, or None on a miss (``out``'s
+        contents are then undefined). A corrupt object is deleted and counted. ValueError if the
+        payload is longer than ``out``."""
+        payload = self._get(key, memoryview(out).cast("B"))
+        return None if payload is None else payload.nbytes
+
+    def _get(self, key: ChunkKey, out: memoryview | None) -> memoryview | None:
         with self._lock:
             if key not in self._sizes:
                 self._stats.misses += 1
                 return None
             self._policy.touch(key)
-        payload, corrupt = self._read(key)
+        payload, corrupt = self._read(key, out)
         with self._lock:
             if payload is not None:
                 self._stats.hits += 1
@@ -219,7 +243,7 @@ class DiskTier:
     def put(self, key: ChunkKey, payload: Payload) -> bool:
         """Store ``payload`` (kept if ``key`` is present already); False if it could not."""
         data = memoryview(payload).cast("B")
-        size = HEADER_BYTES + data.nbytes
+        size = OFFSET + data.nbytes
         with self._lock:
             if key in self._sizes or key in self._writing:
                 if key in self._sizes:
@@ -257,26 +281,36 @@ class DiskTier:
             return TierStats(**vars(self._stats))
 
     def close(self) -> None:
-        """Nothing stays open between calls; drop this thread's aligned buffer."""
-        with suppress(AttributeError):
-            del self._local.buf
+        """Nothing stays open between calls; drop this thread's aligned buffers."""
+        for name in ("blocks", "bounce"):
+            with suppress(AttributeError):
+                delattr(self._local, name)
 
     # ---- file I/O ----------------------------------------------------------------------------
-    def _buffer(self, size: int) -> mmap.mmap:
-        """This thread's page-aligned buffer of at least ``size`` bytes (reused across calls)."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < size:
-            buf = self._local.buf = mmap.mmap(-1, _align(size))
+    def _blocks(self) -> memoryview:
+        """This thread's two aligned blocks: the header block, and the tail of a payload whose
+        length is not a multiple of ``ALIGN`` (O_DIRECT moves whole blocks)."""
+        blocks = getattr(self._local, "blocks", None)
+        if blocks is None:
+            blocks = self._local.blocks = memoryview(mmap.mmap(-1, 2 * ALIGN))
+        return blocks
+
+    def _bounce(self, size: int) -> memoryview:
+        """This thread's page-aligned buffer of at least ``size`` bytes (reused across calls), for
+        O_DIRECT I/O of a caller's buffer that is not aligned."""
+        buf = getattr(self._local, "bounce", None)
+        if buf is None or buf.nbytes < size:
+            buf = self._local.bounce = memoryview(mmap.mmap(-1, _align(size)))
         return buf
 
     def _write(self, key: ChunkKey, data: memoryview) -> bool:
         path = self._path(key)
         tmp = os.path.join(os.path.dirname(path), f".{key.hex()}.{uuid.uuid4().hex[:8]}.tmp")
-        header = codec.encode_header(self.namespace, key, data)
+        head = codec.encode_header(self.namespace, key, data, aligned=True)  # the one checksum pass
         try:
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             try:
-                self._write_file(tmp, header, data, self.o_direct)
+                self._write_file(tmp, head, data, self.o_direct)
             except OSError as exc:
                 if not (self.o_direct and exc.errno == errno.EINVAL):
                     raise
@@ -284,7 +318,7 @@ class DiskTier:
                 self.o_direct = False
                 with suppress(FileNotFoundError):
                     os.unlink(tmp)
-                self._write_file(tmp, header, data, False)
+                self._write_file(tmp, head, data, False)
             os.replace(tmp, path)
             if self.fsync:
                 dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
@@ -302,28 +336,39 @@ class DiskTier:
         self._io_failing = False
         return True
 
-    def _write_file(self, tmp: str, header: bytes, data: memoryview, direct: bool) -> None:
-        total = HEADER_BYTES + data.nbytes
+    def _write_file(self, tmp: str, head: bytes, data: memoryview, direct: bool) -> None:
+        n = data.nbytes
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0)
         fd = os.open(tmp, flags, 0o600)
         try:
-            if direct:
-                # NOTE: O_DIRECT needs an aligned buffer and length: one copy into the thread's
-                # buffer, a padded write, then truncation back to the object's exact size.
-                with memoryview(self._buffer(total)) as buf:
-                    buf[:HEADER_BYTES] = header
-                    buf[HEADER_BYTES:total] = data
-                    _write_all(fd, [buf[: _align(total)]])
-                os.ftruncate(fd, total)
-            else:
-                _write_all(fd, [memoryview(header), data])  # one syscall, no joined copy
+            if not direct:
+                parts = [memoryview(head), data]  # one syscall, no joined copy
+            elif _is_aligned(data):  # e.g. a host-arena slot: the payload goes straight to the file
+                blocks, cut = self._blocks(), n - n % ALIGN
+                blocks[:ALIGN] = head
+                parts = [blocks[:ALIGN], data[:cut]]
+                if cut < n:  # the last partial block, padded (truncated away below)
+                    blocks[ALIGN : ALIGN + n - cut] = data[cut:]
+                    parts.append(blocks[ALIGN:])
+            else:  # NOTE: one copy into an aligned buffer (see docs/tiers.md for the measurements)
+                buf = self._bounce(OFFSET + n)
+                buf[:OFFSET] = head
+                buf[OFFSET : OFFSET + n] = data
+                parts = [buf[: _align(OFFSET + n)]]
+            total = sum(part.nbytes for part in parts)
+            if _transfer(os.pwritev, fd, parts, 0, total) < total:
+                raise OSError(errno.EIO, "short write")
+            if total != OFFSET + n:
+                os.ftruncate(fd, OFFSET + n)
             if self.fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
 
-    def _read(self, key: ChunkKey) -> tuple[bytes | None, bool]:
-        """(payload, False) when valid, (None, True) when corrupt, (None, False) when gone."""
+    def _read(self, key: ChunkKey, out: memoryview | None) -> tuple[memoryview | None, bool]:
+        """(payload in ``out``, or in fresh memory when ``out`` is None; False) when valid,
+        (None, True) when corrupt, (None, False) when gone or unreadable. ValueError if a valid
+        object does not fit in ``out``."""
         direct = self.o_direct
         try:
             fd = os.open(self._path(key), os.O_RDONLY | (O_DIRECT if direct else 0))
@@ -334,32 +379,40 @@ class DiskTier:
             return None, False
         try:
             size = os.fstat(fd).st_size
-            if size < HEADER_BYTES:
+            n = size - OFFSET
+            if n < 0:
                 return None, True
-            if direct:
-                return self._read_direct(fd, key, size)
-            header = codec.read_header(os.pread(fd, HEADER_BYTES, 0), self.namespace, key)
-            if header is None or size != HEADER_BYTES + header.length:
+            blocks = self._blocks()
+            head, tail = blocks[:ALIGN], blocks[ALIGN:]
+            if out is None:
+                out = _fresh(n)
+            elif out.nbytes < n:
+                got = _transfer(os.preadv, fd, [head], 0, ALIGN)
+                header = codec.read_header(head[:got], self.namespace, key)
+                if header is not None and header.length == n:
+                    raise ValueError(f"chunk {key.hex()} has {n} bytes; the buffer holds {out.nbytes}")
                 return None, True
-            payload = os.pread(fd, header.length, HEADER_BYTES)  # the returned bytes: no copy
-            if len(payload) < header.length:  # only objects over ~2 GiB take more than one read
-                rest = bytearray(header.length - len(payload))
-                got = _read_into(fd, memoryview(rest), HEADER_BYTES + len(payload))
-                payload += rest[:got]
-            return (payload, False) if codec.verify(header, payload) else (None, True)
+            dst, cut, bounce = out[:n], n - n % ALIGN, None
+            if not direct:
+                parts = [head, dst]
+            elif _is_aligned(dst):
+                parts = [head, dst[:cut], tail] if cut < n else [head, dst]
+            else:
+                bounce = self._bounce(size)
+                parts = [bounce[: _align(size)]]
+            if _transfer(os.preadv, fd, parts, 0, size) < size:
+                return None, True  # shrunk while we read
+            if bounce is not None:
+                head = bounce[:ALIGN]
+                dst[:] = bounce[OFFSET:size]
+            elif direct and cut < n:
+                dst[cut:] = tail[: n - cut]
+            header = codec.read_header(head, self.namespace, key)
+            if header is None or header.offset != OFFSET or header.length != n or not codec.verify(header, dst):
+                return None, True
+            return dst, False
         except OSError:
             logger.warning("disk tier %s: cannot read %s", self.root, key.hex(), exc_info=True)
             return None, False
         finally:
             os.close(fd)
-
-    def _read_direct(self, fd: int, key: ChunkKey, size: int) -> tuple[bytes | None, bool]:
-        with memoryview(self._buffer(size)) as buf:
-            got = _read_into(fd, buf[: _align(size)], 0)
-            header = codec.read_header(buf[:HEADER_BYTES], self.namespace, key)
-            if header is None or size != HEADER_BYTES + header.length or got < size:
-                return None, True
-            payload = buf[HEADER_BYTES:size]
-            if not codec.verify(header, payload):
-                return None, True
-            return bytes(payload), False  # the one copy out of the aligned buffer
