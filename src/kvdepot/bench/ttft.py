@@ -6,6 +6,9 @@ Per prompt length L (a Llama-3.1-8B-shaped model with random bf16 weights by def
     kvdepot hit    A again after a filler prompt evicted it from the engine's pool
     device hit     A once more, still in the engine's pool: one forward over the last block
 
+once in-process and, with ``--modes in-process,mp`` (the default on CUDA), once through a
+``kvdepot server`` subprocess that maps the engine's pool by CUDA IPC and does the copies,
+
 and the target the issue sets, from figures measured in this run:
 ``bound = 1.2 x KV bytes / memcpy GB/s + device-hit TTFT``. A 0%-reuse run (distinct prompts)
 with and without the connector gives the miss overhead on TTFT and on decode throughput.
@@ -33,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--miss-prompts", type=int, default=4, help="distinct prompts in the 0%%-reuse run")
     parser.add_argument("--miss-length", type=int, default=4096 if cuda else 512)
     parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens in the 0%%-reuse run")
+    parser.add_argument("--modes", default="in-process,mp" if cuda else "in-process",
+                        help="connector modes for the hit rows: in-process, mp (a kvdepot server subprocess)")
     parser.add_argument("--plot", default=None, help="write a PNG of TTFT vs prompt length here")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
 
@@ -42,25 +47,41 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def _engine(args: argparse.Namespace, max_tokens: int, connected: bool):
-    from kvdepot.integrations.tensorrt_llm.adapter import (
-        KvDepotConnectorScheduler,
-        KvDepotConnectorWorker,
-    )
-    from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
+def _engine(args: argparse.Namespace, max_tokens: int, connected: bool, server_url: str | None = None):
+    from kvdepot.runtime import Engine, KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
 
-    llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=max_tokens))
-    connector = (KvDepotConnectorScheduler, KvDepotConnectorWorker) if connected else None
-    return Engine(args.model, device=args.device, llm_args=llm_args, connector=connector, seed=0)
+    module = "kvdepot.integrations.tensorrt_llm." + ("mp_adapter" if server_url else "adapter")
+    prefix = "KvDepotMP" if server_url else "KvDepot"
+    connector = KvCacheConnectorConfig(module, prefix + "ConnectorScheduler", prefix + "ConnectorWorker", server_url)
+    llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=max_tokens),
+                            kv_connector_config=connector if connected else None)
+    return Engine(args.model, device=args.device, llm_args=llm_args, seed=0)
 
 
-def _hits(args: argparse.Namespace, lengths: list[int], h2d: float) -> list[dict]:
-    from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
+def _ready(server_url: str | None) -> None:
+    """Wait until the connector's engine is usable: the arena pinned, or the server registration made."""
+    from kvdepot.integrations.tensorrt_llm.mp_adapter import current_remote
+    from kvdepot.integrations.tensorrt_llm.utils import current_engine
+
+    if server_url is None:
+        current_engine().wait_arena()  # steady state: a serving engine has pinned its arena long ago
+    elif current_remote() is None:
+        raise RuntimeError("the MP connector did not register with the kvdepot server")
+
+
+def _teardown() -> None:
+    from kvdepot.integrations.tensorrt_llm.mp_adapter import destroy_remote
+    from kvdepot.integrations.tensorrt_llm.utils import destroy_engine
 
     destroy_engine()
+    destroy_remote()
+
+
+def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, server_url: str | None = None) -> list[dict]:
+    _teardown()
     pool = max(lengths) + 64
-    eng = _engine(args, pool, connected=True)
-    current_engine().wait_arena()
+    eng = _engine(args, pool, connected=True, server_url=server_url)
+    _ready(server_url)
     vocab = eng.model.config.vocab_size
     kv_per_token = eng.pool[0].numel() * eng.pool.element_size() / eng.tokens_per_block
     # Warm-up: kernels, allocator, streams, and one hit — a process's first load pays one-time
@@ -79,6 +100,7 @@ def _hits(args: argparse.Namespace, lengths: list[int], h2d: float) -> list[dict
         loaded = hit.num_connector_matched_tokens
         bound = 1.2 * loaded * kv_per_token / (h2d * 1e9) + device.ttft_s
         rows.append({
+            "mode": "mp" if server_url else "in-process",
             "prompt": n,
             "recompute ms": miss.ttft_s * 1e3,
             "kvdepot hit ms": hit.ttft_s * 1e3,
@@ -91,23 +113,24 @@ def _hits(args: argparse.Namespace, lengths: list[int], h2d: float) -> list[dict
             "hit==device bitwise": bool(torch.equal(hit.logits[0], device.logits[0])),
             "tokens==recompute": hit.output_ids == miss.output_ids,
         })
-    stats = current_engine().stats()
-    destroy_engine()
+    if server_url is None:
+        from kvdepot.integrations.tensorrt_llm.utils import current_engine
+
+        stats = current_engine().stats()
+        assert stats.live_leases == 0, stats
+    _teardown()
     del eng
     _free()
-    assert stats.live_leases == 0, stats
     return rows
 
 
 def _misses(args: argparse.Namespace) -> list[dict]:
-    from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
-
     rows = []
     for connected in (False, True):
-        destroy_engine()
+        _teardown()
         eng = _engine(args, args.miss_length + args.decode_tokens + 64, connected)
         if connected:
-            current_engine().wait_arena()  # steady state: a serving engine has pinned its arena long ago
+            _ready(None)
         vocab = eng.model.config.vocab_size
         eng.generate([_prompt(min(512, args.miss_length), 7, vocab)], 2)  # warm-up
         results = eng.generate_sequential(
@@ -115,7 +138,7 @@ def _misses(args: argparse.Namespace) -> list[dict]:
         ttft = statistics.median(r.ttft_s for r in results)
         decode = statistics.median((args.decode_tokens - 1) / (r.latency_s - r.ttft_s) for r in results)
         rows.append({"connector": connected, "prompt": args.miss_length, "TTFT ms": ttft * 1e3, "decode tok/s": decode})
-        destroy_engine()
+        _teardown()
         del eng
         _free()
     base, conn = rows
@@ -123,6 +146,14 @@ def _misses(args: argparse.Namespace) -> list[dict]:
     conn["TTFT overhead"] = conn["TTFT ms"] / base["TTFT ms"] - 1
     conn["decode overhead"] = 1 - conn["decode tok/s"] / base["decode tok/s"]
     return rows
+
+
+def _kv_bytes_per_token(args: argparse.Namespace) -> int:
+    from kvdepot.runtime.model import PRESETS, ModelConfig
+    from kvdepot.runtime.weights import config_from_hf
+
+    cfg = ModelConfig.preset(args.model) if args.model in PRESETS else config_from_hf(args.model)
+    return cfg.num_layers * 2 * cfg.kv_block_elems_per_token * cfg.dtype.itemsize
 
 
 def _free() -> None:
@@ -140,11 +171,15 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     except ImportError:
         print(f"(no plot: matplotlib is not installed; {path} not written)")
         return
-    xs = [r["prompt"] for r in rows]
+    local = [r for r in rows if r["mode"] == "in-process"] or rows
+    xs = [r["prompt"] for r in local]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("recompute ms", "recompute"), ("kvdepot hit ms", "kvdepot hit (host memory)"),
+    for key, label in (("recompute ms", "recompute"), ("kvdepot hit ms", "kvdepot hit (host memory, in-process)"),
                        ("bound ms", "target bound"), ("device hit ms", "one forward over the last block")):
-        ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
+        ax.plot(xs, [r[key] for r in local], marker="o", label=label)
+    mp = [r for r in rows if r["mode"] == "mp"]
+    if mp:
+        ax.plot([r["prompt"] for r in mp], [r["kvdepot hit ms"] for r in mp], marker="s", label="kvdepot hit (kvdepot server)")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.set_yscale("log")
@@ -161,7 +196,19 @@ def run(args: argparse.Namespace) -> dict:
     lengths = [int(x) for x in args.lengths.split(",")]
     h2d, d2h, _both = memcpy_ceiling(256 << 20, device, 5)
     title = f"kvdepot bench ttft — {args.model} on {device_name(device)}, memcpy H2D {h2d:.1f} GB/s D2H {d2h:.1f} GB/s"
-    hits = _hits(args, lengths, h2d)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = set(modes) - {"in-process", "mp"}
+    if unknown:
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; allowed: in-process, mp")
+    hits = _hits(args, lengths, h2d) if "in-process" in modes else []
+    if "mp" in modes:
+        from kvdepot.bench.server_proc import running_server
+
+        # The server holds the host tier: room for a prompt and its filler (a hit must survive the
+        # filler's store), and little more, so the arena is pinned in the background before the hits.
+        kv_gb = 2.5 * max(lengths) * _kv_bytes_per_token(args) / 1e9
+        with running_server("--chunk-size", "256", "--host-capacity-gb", f"{max(kv_gb, 0.05):.3f}") as url:
+            hits += _hits(args, lengths, h2d, server_url=url)
     print_table(title, hits)
     misses = _misses(args)
     print_table(f"0% reuse: {args.miss_prompts} distinct prompts of {args.miss_length} tokens, {args.decode_tokens} new tokens each", misses)

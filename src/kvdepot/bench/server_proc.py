@@ -1,0 +1,47 @@
+"""A ``kvdepot server`` subprocess for benchmarks: started on a private ipc:// socket, stopped cleanly.
+
+    with running_server("--chunk-size", "256", "--host-capacity-gb", "8") as url:
+        ...   # KVDEPOT_SERVER_URL=url clients share it
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvdepot.server.client import DepotClient
+
+
+@contextlib.contextmanager
+def running_server(*args: str, timeout_s: float = 120.0) -> Iterator[str]:
+    """Yield the URL of a fresh server (``args`` are its flags) once it answers HELLO."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))  # short: socket paths are limited
+    url = f"ipc://{workdir}/server.sock"
+    proc = subprocess.Popen([sys.executable, "-m", "kvdepot.server", "--url", url, "--log-level", "WARNING", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    probe = DepotClient(url, timeout_s=5.0, heartbeat_s=3600.0, name="bench-probe", connect=False, log_outages=False)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not probe.connect():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"the kvdepot server did not start (exit code {proc.poll()})")
+            time.sleep(0.2)
+        probe.close()
+        yield url
+    finally:
+        probe.close()
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -1,0 +1,36 @@
+"""``kvdepot bench ttft`` on CPU with the tiny model: both modes load from kvdepot and stay exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdepot.bench.ttft import add_arguments, run
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_ttft_bench_in_process_and_through_a_server(tmp_path):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--model", "tiny", "--lengths", "256,512", "--miss-prompts", "2",
+                              "--miss-length", "256", "--decode-tokens", "3", "--modes", "in-process,mp",
+                              "--json", str(tmp_path / "ttft.json")])
+    result = run(args)
+    hits = result["hits"]
+    assert [(r["mode"], r["prompt"]) for r in hits] == [("in-process", 256), ("in-process", 512), ("mp", 256), ("mp", 512)]
+    for row in hits:  # every hit is served by kvdepot (all but the last block) and exact
+        assert row["tokens loaded"] == row["prompt"] - 32
+        assert row["hit==device bitwise"] and row["tokens==recompute"]
+    assert [r["connector"] for r in result["misses"]] == [False, True]
+    assert (tmp_path / "ttft.json").exists()
+
+
+def test_unknown_mode_is_refused():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit, match="allowed: in-process, mp"):
+        run(parser.parse_args(["--device", "cpu", "--model", "tiny", "--modes", "gpu"]))
