@@ -329,7 +329,7 @@ class CacheEngine:
             for c in range(chunks):
                 slot = self.host.reserve(keys[c])
                 if slot is not None:
-                    placed.append((keys[c], slot, [block_ids[p] for p in self.layout.chunk_blocks(c)]))
+                    placed.append((keys[c], slot, list(block_ids[c * bpc : (c + 1) * bpc])))
             self._stats.dropped_stores = self.host.stats().dropped
         if not placed:
             return StoreHandle(self, 0, None)
@@ -403,8 +403,8 @@ class CacheEngine:
                 if not self.host.contains(key):
                     break
                 self.host.pin(pin, [key])
-                positions = [p for p in self.layout.chunk_blocks(c) if skip_blocks <= p < end_block]
-                plan.append((self.host.slot(key), [block_ids[p] for p in positions], positions[0] - c * bpc))
+                lo, hi = max(c * bpc, skip_blocks), min((c + 1) * bpc, end_block)  # this chunk's blocks to load
+                plan.append((self.host.slot(key), list(block_ids[lo:hi]), lo - c * bpc))
             if lease is not None:
                 self.host.release(lease)
         loaded_blocks = sum(len(ids) for _, ids, _ in plan)

@@ -57,6 +57,7 @@ class HostTier:
         self.pin_memory = pin_memory
         self._per_segment = max(1, min(self.num_slots, SEGMENT_BYTES // slot_bytes))
         self._segments: list[torch.Tensor] = []
+        self._slot_views: list[torch.Tensor] = []  # slot index -> its view (made once: ~5 us each)
         # False when the owner pins segments on a thread of its own: a store then never waits
         # for cudaHostAlloc (it evicts, or drops and counts, until memory arrives).
         self.grow_inline = True
@@ -73,9 +74,7 @@ class HostTier:
     # ---- slots -------------------------------------------------------------------------
     def slot(self, key: ChunkKey) -> torch.Tensor:
         """The 1-D uint8 memory of ``key``'s slot. Only for a writer or a lease holder."""
-        index = self._slot_of[key]
-        segment, offset = divmod(index, self._per_segment)
-        return self._segments[segment][offset]
+        return self._slot_views[self._slot_of[key]]
 
     def next_segment_shape(self) -> tuple[int, int] | None:
         """Shape of the segment that would back the next slots, or None when the arena is full size."""
@@ -99,6 +98,7 @@ class HostTier:
             return False
         count = segment.shape[0]
         self._segments.append(segment)
+        self._slot_views.extend(segment.unbind(0))
         self._free.extend(range(self._allocated + count - 1, self._allocated - 1, -1))
         self._allocated += count
         return True
