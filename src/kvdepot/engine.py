@@ -19,13 +19,9 @@ copy completes; slots read by a load stay pinned until it completes.
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,70 +30,30 @@ from kvdepot.config import DepotConfig, load_config
 from kvdepot.errors import ConfigError, LayoutError
 from kvdepot.keys import ChunkHasher, ChunkKey, Namespace
 from kvdepot.layout import PoolLayout
-from kvdepot.storage.base import TierStats
+from kvdepot.results import EngineStats, Hit, StoreHandle
 from kvdepot.storage.host import HostTier
 from kvdepot.storage.manager import TierManager
+from kvdepot.storage.pinner import ArenaPinner
+from kvdepot.storage.promotions import Promotions
 from kvdepot.transfer import MOVERS
 from kvdepot.transfer.base import BlockMover, ChunkCopy
+from kvdepot.transfer.inflight import InflightTransfers
 
-logger = logging.getLogger("kvdepot")
+__all__ = ["STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "StoreHandle"]
+
 # Blocks at least this large already run a single DMA near the PCIe ceiling; smaller ones are
 # gathered on the device first (see transfer/staged.py).
 STAGED_BELOW_BYTES = 2 << 20
 
 
-@dataclass
-class EngineStats:
-    hits: int = 0  # chunks found by lookups
-    misses: int = 0  # lookups that stopped short of the prompt's last full chunk
-    lookups: int = 0
-    stored_chunks: int = 0
-    loaded_chunks: int = 0
-    bytes_stored: int = 0
-    bytes_loaded: int = 0
-    store_seconds: float = 0.0  # host-side time to enqueue/perform stores
-    load_seconds: float = 0.0
-    evictions: int = 0
-    dropped_stores: int = 0
-    live_leases: int = 0
-    pinned_chunks: int = 0
-    inflight_transfers: int = 0
-    host_chunks: int = 0
-    host_capacity_chunks: int = 0
-    promoting: int = 0  # lookups whose lower-tier chunks are still being read into host memory
-    short_loads: int = 0  # loads that found fewer chunks than their lookup promised (logged)
-    lower: list[TierStats] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A lookup's answer: where the cached run ends, and how much of it is in host memory now."""
-
-    tokens: int  # end of the cached run, in tokens from position 0 (host and lower tiers)
-    host_tokens: int  # end of the part already in host memory
-
-    @property
-    def pending(self) -> bool:
-        """Part of the hit is being promoted from disk/Redis: load it asynchronously."""
-        return self.tokens > self.host_tokens
-
-
-class StoreHandle:
-    """A store in flight. ``done()`` is true once every copied chunk is committed."""
-
-    def __init__(self, engine: CacheEngine, chunks: int, token: int | None) -> None:
-        self._engine, self.chunks, self._token = engine, chunks, token
-
-    def done(self) -> bool:
-        return self._token is None or self._engine._is_complete(self._token)
-
-    def wait(self) -> None:
-        if self._token is not None:
-            self._engine._wait_for(self._token)
-
-
 class CacheEngine:
-    """Chunks of one KV pool geometry, cached in kvdepot's tiers."""
+    """Chunks of one KV pool geometry, cached in kvdepot's tiers.
+
+    One lock (``_lock``, re-entrant) guards the host tier and the stats. The helpers the engine
+    owns take that same lock rather than one of their own, because their callbacks touch the host
+    tier: ``_transfers`` (copies in flight on side streams), ``_promotions`` (disk/Redis hits read
+    into host slots) and ``_pinner`` (the host arena pinned in the background).
+    """
 
     def __init__(
         self,
@@ -129,15 +85,12 @@ class CacheEngine:
         self.mover: BlockMover = mover or _pick_mover(self.config.transfer_mover, layout)
         self.lower = TierManager.from_config(self.config, self.hasher.seed) if (
             self.config.disk_path or self.config.remote_url) else None
-        self._promotions: dict[Any, Future[int]] = {}  # by lease, until its load takes it
-        self._promoting: set[Future[int]] = set()  # every promotion still running
-        self._pinner: threading.Thread | None = None  # pins the host arena in the background
-        self._closing = threading.Event()
         self._lock = threading.RLock()
+        self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s)
+        self._pinner = ArenaPinner(self.host, self._lock)
+        self._transfers = InflightTransfers(self._lock)
         self._views: list[torch.Tensor] = []
-        self._streams: tuple[Any, ...] | None = None
-        self._inflight: deque[tuple[int, Any, Callable[[], None]]] = deque()
-        self._tokens = itertools.count(1)
+        self._tokens = itertools.count(1)  # names the pins of loads and write-behind reads
         self._stats = EngineStats()
 
     # ---- pool registration ------------------------------------------------------------------
@@ -178,14 +131,8 @@ class CacheEngine:
             self.wait_all()
             self.layout = layout
             self._views = list(views)
-            self._start_pinner_locked()
-            if device.type == "cuda":
-                # Three distinct streams from torch's pool: store, load, and a spare used when the
-                # caller's own stream happens to be one of ours (torch hands pool streams out in
-                # rotation, so an engine's forward stream can alias a side stream).
-                self._streams = tuple(torch.cuda.Stream(device) for _ in range(3))
-            else:
-                self._streams = None
+            self._pinner.start_locked()
+            self._transfers.attach(device)
 
     # ---- keys and lookup --------------------------------------------------------------------
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
@@ -222,90 +169,31 @@ class CacheEngine:
             raise LayoutError(f"skip_tokens={skip_tokens} must be >= 0")
         size = self.layout.chunk_size
         first = skip_tokens // size
+        wanted = keys[first:]
         with self._lock:
-            self._poll_locked()
-            found = self.host.lookup(keys[first:], lease, self.config.lease_timeout_s)
+            self._transfers.poll_locked()
+            found = self.host.lookup(wanted, lease, self.config.lease_timeout_s)
             self._stats.lookups += 1
             self._stats.hits += found
-        end = first + found
-        more = 0
-        if self.lower is not None:
-            self.lower.note_hits(keys[first:end])
-            if end < len(keys):
-                more = self.lower.find(keys[end:])  # bounded: tiers answer within their timeouts
-            if more and lease is not None:
-                future = self.lower.promote(keys[end : end + more], self._sink(lease))
-                self._promotions[lease] = future
-                with self._lock:
-                    self._promoting.add(future)
-                future.add_done_callback(self._promoting.discard)
+        more = self._promotions.find(wanted, found, lease)  # outside the lock: tiers do I/O
         with self._lock:
             self._stats.hits += more
-            self._stats.misses += end + more < len(keys)
-        return Hit((end + more) * size, end * size)
+            self._stats.misses += found + more < len(wanted)
+        return Hit((first + found + more) * size, (first + found) * size)
 
-    def wait_promotions(self, timeout: float | None = None) -> None:
-        """Block until every promotion started so far has finished (tests, benchmarks, shutdown)."""
-        for future in list(self._promoting):
-            try:
-                future.result(timeout=timeout)
-            except Exception:  # noqa: BLE001 - a failed promotion only means fewer prefetched chunks
-                logger.debug("kvdepot: a promotion failed", exc_info=True)
-
-    def promotion_done(self, lease: Any) -> bool:
-        """Whether the lower-tier part of ``lease``'s hit has been read into host memory."""
-        future = self._promotions.get(lease)
-        return future is None or future.done()
-
-    def _sink(self, lease: Any) -> Callable[[ChunkKey, Any], bool]:
-        """Where promoted chunks go: a host slot (reserve, copy, commit), pinned under ``lease``."""
-
-        def sink(key: ChunkKey, payload: Any) -> bool:  # bytes or a read-only memoryview
-            if len(payload) != self.layout.chunk_bytes:
-                return False
-            with self._lock:
-                slot = self.host.reserve(key)
-                if slot is None and not self.host.contains(key):
-                    return False
-                self.host.pin(lease, [key], self.config.lease_timeout_s)
-            if slot is None:
-                return True
-            ok = False
-            try:
-                memoryview(slot.numpy())[:] = payload
-                ok = True
-            finally:
-                with self._lock:
-                    self.host.commit(key, ok)
-            return ok
-
-        return sink
-
-    def _provider(self, key: ChunkKey) -> Callable[[], bytes | None]:
-        """Write-behind reads a committed chunk's bytes from its host slot, pinned meanwhile."""
-
-        def read() -> bytes | None:
-            pin = ("write-behind", next(self._tokens))
-            with self._lock:
-                if not self.host.contains(key):
-                    return None
-                self.host.pin(pin, [key])
-                slot = self.host.slot(key)
-            try:
-                return slot.numpy().tobytes()
-            finally:
-                self.release(pin)
-
-        return read
-
+    # ---- leases and promotions ---------------------------------------------------------------
     def release(self, lease: Any) -> None:
         """Unpin what ``lease`` holds. A promotion started for it runs on (a prefetch for later
         requests) and drops the pins it adds when it finishes."""
-        future = self._promotions.pop(lease, None)
-        if future is not None:
-            future.add_done_callback(lambda _f: self.release(lease))
-        with self._lock:
-            self.host.release(lease)
+        self._promotions.release(lease)
+
+    def wait_promotions(self, timeout: float | None = None) -> None:
+        """Block until every promotion started so far has finished (tests, benchmarks, shutdown)."""
+        self._promotions.wait_all(timeout)
+
+    def promotion_done(self, lease: Any) -> bool:
+        """Whether the lower-tier part of ``lease``'s hit has been read into host memory."""
+        return self._promotions.done(lease)
 
     # ---- store ------------------------------------------------------------------------------
     def store(
@@ -324,7 +212,7 @@ class CacheEngine:
         chunks = self.layout.full_chunks(num_tokens, len(block_ids))
         bpc = self.layout.blocks_per_chunk
         with self._lock:
-            self._poll_locked()
+            self._transfers.poll_locked()
             placed = []
             for c in range(chunks):
                 slot = self.host.reserve(keys[c])
@@ -332,7 +220,7 @@ class CacheEngine:
                     placed.append((keys[c], slot, list(block_ids[c * bpc : (c + 1) * bpc])))
             self._stats.dropped_stores = self.host.stats().dropped
         if not placed:
-            return StoreHandle(self, 0, None)
+            return StoreHandle(self._transfers, 0, None)
 
         def copy() -> None:
             self.mover.gather_many(self._views, [ChunkCopy(ids, slot) for _key, slot, ids in placed])
@@ -347,12 +235,29 @@ class CacheEngine:
             for key, _slot, _ids in placed:
                 self.host.commit(key, False)
 
-        token = self._run(copy, commit, stream, store=True, on_fail=rollback)
+        token = self._transfers.run(copy, commit, stream, store=True, on_fail=rollback)
         with self._lock:
             self._stats.stored_chunks += len(placed)
             self._stats.bytes_stored += len(placed) * bpc * self.layout.bytes_per_block
             self._stats.store_seconds += time.perf_counter() - started
-        return StoreHandle(self, len(placed), token)
+        return StoreHandle(self._transfers, len(placed), token)
+
+    def _provider(self, key: ChunkKey) -> Callable[[], bytes | None]:
+        """Write-behind reads a committed chunk's bytes from its host slot, pinned meanwhile."""
+
+        def read() -> bytes | None:
+            pin = ("write-behind", next(self._tokens))
+            with self._lock:
+                if not self.host.contains(key):
+                    return None
+                self.host.pin(pin, [key])
+                slot = self.host.slot(key)
+            try:
+                return slot.numpy().tobytes()
+            finally:
+                self.release(pin)
+
+        return read
 
     # ---- retrieve ---------------------------------------------------------------------------
     def retrieve(
@@ -388,16 +293,11 @@ class CacheEngine:
             if lease is not None:
                 self.release(lease)  # nothing to load: the lookup's pins must not outlive the call
             return skip_blocks * B
-        promotion = self._promotions.pop(lease, None) if lease is not None else None
-        if promotion is not None:
-            try:
-                promotion.result(timeout=self.config.lease_timeout_s)
-            except Exception:  # noqa: BLE001 - a failed read is a shorter load, reported below
-                logger.warning("kvdepot: promotion for %s failed", lease, exc_info=True)
+        self._promotions.settle(lease)  # a failed promotion is a shorter load, counted below
         pin = ("load", next(self._tokens))
         plan: list[tuple[torch.Tensor, list[int], int]] = []
         with self._lock:
-            self._poll_locked()
+            self._transfers.poll_locked()
             for c in range(skip_blocks // bpc, -(-end_block // bpc)):
                 key = keys[c]
                 if not self.host.contains(key):
@@ -418,116 +318,33 @@ class CacheEngine:
         def copy() -> None:
             self.mover.scatter_many([ChunkCopy(ids, slot, first) for slot, ids, first in plan], self._views)
 
-        self._run(copy, lambda: self.host.release(pin), stream, store=False)
+        self._transfers.run(copy, lambda: self.host.release(pin), stream, store=False)
         with self._lock:
             self._stats.loaded_chunks += len(plan)
             self._stats.bytes_loaded += loaded_blocks * self.layout.bytes_per_block
             self._stats.load_seconds += time.perf_counter() - started
         return (skip_blocks + loaded_blocks) * B
 
-    # ---- arena growth ------------------------------------------------------------------------
-    def _start_pinner_locked(self) -> None:
-        """Pin the whole host arena on a helper thread, segment by segment, from registration on.
-
-        cudaHostAlloc runs at a few GB/s: done inline, the store that first needs a new segment
-        would stall the engine's step; done all at registration, start-up would wait for it.
-        The first segment is pinned here, so early stores find room. Unpinned (CPU-only) arenas
-        grow inline: plain allocation costs nothing up front.
-        """
-        if not self.host.pin_memory or self._pinner is not None:
-            return
-        first = self.host.allocate_segment()  # one segment now, so the first stores have room
-        if first is not None:
-            self.host.add_segment(first)
-        self.host.grow_inline = False
-        self._pinner = threading.Thread(target=self._pin_arena, name="kvdepot-arena", daemon=True)
-        self._pinner.start()
-
-    def _pin_arena(self) -> None:
-        while not self._closing.is_set():
-            segment = self.host.allocate_segment()  # slow, so outside the lock; adoption re-checks
-            if segment is None:
-                return
-            with self._lock:
-                self.host.add_segment(segment)
-
+    # ---- waiting --------------------------------------------------------------------------
     def wait_arena(self, timeout: float | None = None) -> None:
         """Block until the host arena is fully allocated (benchmarks; nothing else needs to wait)."""
-        if self._pinner is not None:
-            self._pinner.join(timeout)
-
-    # ---- in-flight transfers ----------------------------------------------------------------
-    def _run(
-        self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any, *, store: bool,
-        on_fail: Callable[[], None] | None = None,
-    ) -> int | None:
-        """Run ``copy`` now (CPU) or enqueue it on a side stream ordered after ``stream`` (CUDA).
-
-        If ``copy`` raises, ``on_fail`` (or ``on_done``) runs first so no slot or pin leaks.
-        """
-        try:
-            if self._streams is None:
-                copy()
-            else:
-                caller = stream if stream is not None else torch.cuda.current_stream(self._streams[0].device)
-                side = self._side_stream(store, caller)
-                side.wait_stream(caller)
-                with torch.cuda.stream(side):
-                    copy()
-                    event = torch.cuda.Event()
-                    event.record(side)
-        except BaseException:
-            with self._lock:
-                (on_fail or on_done)()
-            raise
-        if self._streams is None:
-            with self._lock:
-                on_done()
-            return None
-        if not store:
-            caller.wait_event(event)  # the forward pass reads what the load wrote
-        with self._lock:
-            token = next(self._tokens)
-            self._inflight.append((token, event, on_done))
-        return token
-
-    def _side_stream(self, store: bool, caller: Any) -> Any:
-        """The stream a copy runs on: never the caller's, or the caller would wait for it."""
-        assert self._streams is not None
-        side = self._streams[0 if store else 1]
-        return self._streams[2] if side == caller else side
-
-    def _poll_locked(self) -> None:
-        while self._inflight and self._inflight[0][1].query():
-            _token, _event, on_done = self._inflight.popleft()
-            on_done()
-
-    def _is_complete(self, token: int) -> bool:
-        with self._lock:
-            self._poll_locked()
-            return not any(t == token for t, _, _ in self._inflight)
-
-    def _wait_for(self, token: int) -> None:
-        while True:
-            with self._lock:
-                pending = next((e for t, e, _ in self._inflight if t == token), None)
-            if pending is None:
-                return
-            pending.synchronize()
-            with self._lock:
-                self._poll_locked()
+        self._pinner.wait(timeout)
 
     def poll(self) -> None:
         """Complete transfers whose copies have finished (commit stores, unpin loads)."""
-        with self._lock:
-            self._poll_locked()
+        self._transfers.poll()
 
     def wait_all(self) -> None:
         """Block until every transfer enqueued so far has completed."""
-        with self._lock:
-            while self._inflight:
-                self._inflight[0][1].synchronize()
-                self._poll_locked()
+        self._transfers.wait_all()
+
+    # White-box handles for the CUDA tests.
+    @property
+    def _streams(self) -> tuple[Any, ...] | None:
+        return self._transfers.streams
+
+    def _side_stream(self, store: bool, caller: Any) -> Any:
+        return self._transfers.side_stream(store, caller)
 
     # ---- checks and stats ----------------------------------------------------------------------
     def _keys(self, tokens: Sequence[int] | None, keys: Sequence[ChunkKey] | None) -> Sequence[ChunkKey]:
@@ -554,15 +371,15 @@ class CacheEngine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            self._poll_locked()
+            self._transfers.poll_locked()
             self.host.expire_leases()  # report leases past their timeout as gone, not live
             host = self.host.stats()
             s = self._stats
             s.evictions, s.dropped_stores = host.evictions, host.dropped
             s.live_leases, s.pinned_chunks = self.host.live_leases, self.host.pinned_chunks
-            s.inflight_transfers = len(self._inflight)
+            s.inflight_transfers = len(self._transfers.inflight)
             s.host_chunks, s.host_capacity_chunks = host.chunks, self.host.num_slots
-            s.promoting = len(self._promoting)
+            s.promoting = self._promotions.running
             s.lower = self.lower.stats().tiers if self.lower is not None else []
             return EngineStats(**{**vars(s), "lower": list(s.lower)})
 
@@ -570,12 +387,8 @@ class CacheEngine:
         """Finish transfers, then drain write-behind and join the tier threads (outside the lock:
         write-behind providers take it)."""
         self.wait_all()
-        self._closing.set()
-        if self._pinner is not None:
-            self._pinner.join()
-        for future in list(self._promoting):
-            future.cancel()
-        self._promotions.clear()
+        self._pinner.close()
+        self._promotions.close()
         if self.lower is not None:
             self.lower.close()
 

@@ -1,0 +1,64 @@
+"""What ``CacheEngine``'s calls answer (``engine.py`` re-exports them; ``RemoteEngine`` answers the
+same ``Hit``):
+
+    Hit           probe: where the cached run ends, and how much of it is in host memory now
+    StoreHandle   store: the copies in flight, ``done()`` / ``wait()``
+    EngineStats   stats: counters and a snapshot of the tiers
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvdepot.storage.base import TierStats
+from kvdepot.transfer.inflight import InflightTransfers
+
+
+@dataclass
+class EngineStats:
+    hits: int = 0  # chunks found by lookups
+    misses: int = 0  # lookups that stopped short of the prompt's last full chunk
+    lookups: int = 0
+    stored_chunks: int = 0
+    loaded_chunks: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
+    store_seconds: float = 0.0  # host-side time to enqueue/perform stores
+    load_seconds: float = 0.0
+    evictions: int = 0
+    dropped_stores: int = 0
+    live_leases: int = 0
+    pinned_chunks: int = 0
+    inflight_transfers: int = 0
+    host_chunks: int = 0
+    host_capacity_chunks: int = 0
+    promoting: int = 0  # lookups whose lower-tier chunks are still being read into host memory
+    short_loads: int = 0  # loads that found fewer chunks than their lookup promised (logged)
+    lower: list[TierStats] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Hit:
+    """A lookup's answer: where the cached run ends, and how much of it is in host memory now."""
+
+    tokens: int  # end of the cached run, in tokens from position 0 (host and lower tiers)
+    host_tokens: int  # end of the part already in host memory
+
+    @property
+    def pending(self) -> bool:
+        """Part of the hit is being promoted from disk/Redis: load it asynchronously."""
+        return self.tokens > self.host_tokens
+
+
+class StoreHandle:
+    """A store in flight. ``done()`` is true once every copied chunk is committed."""
+
+    def __init__(self, transfers: InflightTransfers, chunks: int, token: int | None) -> None:
+        self._transfers, self.chunks, self._token = transfers, chunks, token
+
+    def done(self) -> bool:
+        return self._token is None or self._transfers.is_complete(self._token)
+
+    def wait(self) -> None:
+        if self._token is not None:
+            self._transfers.wait_for(self._token)

@@ -1,0 +1,121 @@
+"""Lower-tier hits promoted into host memory in the background, one promotion per lease.
+
+    find(keys, found, lease) -> int   chunks after the host hit ``keys[:found]`` that the lower
+                                      tiers hold; with ``lease``, start promoting them
+    settle(lease)                     before ``lease``'s load: wait (bounded) for its promotion
+    done(lease) / release(lease) / wait_all(timeout) / close()
+
+A promoted chunk goes into a host slot (reserve, copy, commit) and is pinned under the lease
+that found it, so the load that follows finds it. Host-tier calls run under the host tier's
+lock, which the owner passes in (the engine's); the copy into a slot runs outside it. The
+tables of futures are only read and written by single dict/set operations (atomic under the
+GIL), so they take no lock of their own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from typing import Any
+
+from kvdepot.keys import ChunkKey
+from kvdepot.storage.host import HostTier
+from kvdepot.storage.manager import TierManager
+
+logger = logging.getLogger("kvdepot")
+
+
+class Promotions:
+    """The engine's promotions from disk/Redis into host memory, by lease until its load takes it."""
+
+    def __init__(
+        self, host: HostTier, lower: TierManager | None, lock: AbstractContextManager[Any], lease_timeout_s: float
+    ) -> None:
+        self.host, self.lower, self._lock, self._lease_timeout_s = host, lower, lock, lease_timeout_s
+        self._by_lease: dict[Any, Future[int]] = {}  # by lease, until its load takes it
+        self._running: set[Future[int]] = set()  # every promotion still running
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def find(self, keys: Sequence[ChunkKey], found: int, lease: Any) -> int:
+        """How many chunks after the host hit ``keys[:found]`` the lower tiers hold.
+
+        Bounded: tiers answer within their timeouts. With ``lease`` they are promoted in the
+        background; without one nothing is promoted.
+        """
+        if self.lower is None:
+            return 0
+        self.lower.note_hits(keys[:found])
+        more = self.lower.find(keys[found:]) if found < len(keys) else 0
+        if more and lease is not None:
+            future = self.lower.promote(keys[found : found + more], self._sink(lease))
+            self._by_lease[lease] = future
+            with self._lock:
+                self._running.add(future)
+            future.add_done_callback(self._running.discard)
+        return more
+
+    def settle(self, lease: Any) -> None:
+        """Take ``lease``'s promotion (its load runs now) and wait for it, up to the lease timeout."""
+        promotion = self._by_lease.pop(lease, None) if lease is not None else None
+        if promotion is not None:
+            try:
+                promotion.result(timeout=self._lease_timeout_s)
+            except Exception:  # noqa: BLE001 - a failed read is a shorter load, which the load reports
+                logger.warning("kvdepot: promotion for %s failed", lease, exc_info=True)
+
+    def done(self, lease: Any) -> bool:
+        """Whether the lower-tier part of ``lease``'s hit has been read into host memory."""
+        future = self._by_lease.get(lease)
+        return future is None or future.done()
+
+    def release(self, lease: Any) -> None:
+        """Unpin what ``lease`` holds. A promotion started for it runs on (a prefetch for later
+        requests) and drops the pins it adds when it finishes."""
+        future = self._by_lease.pop(lease, None)
+        if future is not None:
+            future.add_done_callback(lambda _f: self.release(lease))
+        with self._lock:
+            self.host.release(lease)
+
+    def wait_all(self, timeout: float | None = None) -> None:
+        """Block until every promotion started so far has finished."""
+        for future in list(self._running):
+            try:
+                future.result(timeout=timeout)
+            except Exception:  # noqa: BLE001 - a failed promotion only means fewer prefetched chunks
+                logger.debug("kvdepot: a promotion failed", exc_info=True)
+
+    def close(self) -> None:
+        """Shutdown: cancel the promotions not started yet and forget which lease started which."""
+        for future in list(self._running):
+            future.cancel()
+        self._by_lease.clear()
+
+    def _sink(self, lease: Any) -> Callable[[ChunkKey, Any], bool]:
+        """Where promoted chunks go: a host slot (reserve, copy, commit), pinned under ``lease``."""
+
+        def sink(key: ChunkKey, payload: Any) -> bool:  # bytes or a read-only memoryview
+            if len(payload) != self.host.slot_bytes:  # a slot holds exactly one chunk
+                return False
+            with self._lock:
+                slot = self.host.reserve(key)
+                if slot is None and not self.host.contains(key):
+                    return False
+                self.host.pin(lease, [key], self._lease_timeout_s)
+            if slot is None:
+                return True
+            ok = False
+            try:
+                memoryview(slot.numpy())[:] = payload
+                ok = True
+            finally:
+                with self._lock:
+                    self.host.commit(key, ok)
+            return ok
+
+        return sink
