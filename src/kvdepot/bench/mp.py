@@ -3,7 +3,14 @@
     memcpy          one plain pinned copy of the same bytes (host<->GPU; a host memcpy on CPU)
     in-process      CacheEngine.store / retrieve on the pool
     multi-process   a ``kvdepot server`` subprocess copying in/out of the mapped pool
-    lookup rtt      LOOKUP round trips over the ipc:// socket: p50 / p99 in microseconds
+    ping rtt        PING round trips over the ipc:// socket (the transport alone): p50 / p99 in us
+    lookup rtt      LOOKUP (+ fire-and-forget RELEASE) round trips, as the scheduler makes them
+
+Each copy row has its median time per operation (``ms/op``): multi-process minus in-process is the
+fixed cost of a request (round trip, events, the server's bookkeeping), the rest scales with bytes.
+Timing starts once the host arena is fully allocated and full (for the server too: pinning its
+arena in the background would otherwise overlap the timed copies), and a timed store that drops
+chunks is refused.
 
     run(args) -> list[dict]      one row per measurement, with ratios to memcpy and in-process
 
@@ -96,7 +103,8 @@ def run(args: Any) -> list[dict]:
             time.sleep(0.2)
         remote = RemoteEngine(client, pool, B, model_id="bench", config=config)
         multi = _rates(remote, moved, device, reps)
-        rtt = _lookup_rtt(client, remote.chunk_keys(list(range(moved * B))), _opt(args, "lookups"))
+        ping = _rtt(client, None, _opt(args, "lookups"))
+        rtt = _rtt(client, remote.chunk_keys(list(range(moved * B))), _opt(args, "lookups"))
         remote.close()
     finally:
         if client is not None:
@@ -108,16 +116,19 @@ def run(args: Any) -> list[dict]:
         shutil.rmtree(workdir, ignore_errors=True)
     def row(mode: str, op: str, **figures: Any) -> dict[str, Any]:
         base = {"device": device_name(device), "block MiB": layout.bytes_per_block / 2**20, "blocks": moved,
-                "mode": mode, "op": op, "pool": None, "GB/s": None, "ratio": None, "vs in-process": None,
-                "p50 us": None, "p99 us": None}
+                "mode": mode, "op": op, "pool": None, "GB/s": None, "ms/op": None, "ratio": None,
+                "vs in-process": None, "p50 us": None, "p99 us": None}
         return {**base, **figures}
 
     rows = []
     for op, ceiling in (("store", d2h), ("retrieve", h2d)):
-        rows.append(row("memcpy", op, **{"GB/s": ceiling, "ratio": 1.0}))
-        rows.append(row("in-process", op, **{"GB/s": local[op], "ratio": local[op] / ceiling, "vs in-process": 1.0}))
+        rows.append(row("memcpy", op, **{"GB/s": ceiling, "ms/op": nbytes / ceiling / 1e6, "ratio": 1.0}))
+        rows.append(row("in-process", op, **{"GB/s": local[op], "ms/op": nbytes / local[op] / 1e6,
+                                             "ratio": local[op] / ceiling, "vs in-process": 1.0}))
         rows.append(row("multi-process", op, pool=remote.exported.kind, **{
-            "GB/s": multi[op], "ratio": multi[op] / ceiling, "vs in-process": multi[op] / local[op]}))
+            "GB/s": multi[op], "ms/op": nbytes / multi[op] / 1e6, "ratio": multi[op] / ceiling,
+            "vs in-process": multi[op] / local[op]}))
+    rows.append(row("multi-process", "ping rtt", **ping))
     rows.append(row("multi-process", "lookup rtt", **rtt))
     print_table(f"kvdepot bench mp — {device_name(device)}", rows)
     return rows
@@ -128,20 +139,33 @@ def _rates(engine: Any, moved: int, device: torch.device, reps: int) -> dict[str
     rng, counter = random.Random(0), iter(range(1 << 40))
     rows = engine.pool.shape[0] if hasattr(engine, "pool") else engine.layout.num_blocks
     B = engine.layout.tokens_per_block
-    # Keys and block ids are drawn before the clock starts: hashing is not the transfer's cost.
-    batches = [(engine.chunk_keys([next(counter) % 100_000 for _ in range(moved * B)]), rng.sample(range(rows), moved))
-               for _ in range(reps + 5)]
+
+    def batch() -> tuple[list[bytes], list[int]]:
+        return engine.chunk_keys([next(counter) % 100_000 for _ in range(moved * B)]), rng.sample(range(rows), moved)
+
     stored: list[list[bytes]] = []
 
-    def store() -> None:
-        keys, block_ids = batches.pop()
-        engine.store(None, block_ids, keys=keys).wait()
+    def store(keys: list[bytes], block_ids: list[int]) -> None:
+        handle = engine.store(None, block_ids, keys=keys)
+        handle.wait()
+        if handle.chunks != len(keys):  # dropped: the arena is not all there yet (or all pinned)
+            raise _Dropped(f"a store placed {handle.chunks} of {len(keys)} chunks; refusing to time it")
         stored.append(keys)
 
-    for _ in range(4):  # fill the arena (twice over): timed stores evict, as in steady state
-        store()
+    # Fill the arena twice over, so timed stores evict as in steady state, and go on until all
+    # of it is allocated and full: a server pins its arena on a helper thread from its first
+    # store, and cudaHostAlloc next to timed copies would slow them (stores meanwhile may drop).
+    deadline, warm = time.monotonic() + 120, 0
+    while warm < 4 or not _host_full(engine):
+        with contextlib.suppress(_Dropped):
+            store(*batch())
+        warm += 1
+        if time.monotonic() > deadline:
+            raise RuntimeError("the host arena did not fill within 120 s")
+    # Keys and block ids are drawn before the clock starts: hashing is not the transfer's cost.
+    batches = [batch() for _ in range(reps)]
     nbytes = moved * engine.layout.bytes_per_block
-    store_s = median_seconds(store, device, reps, warmup=0)
+    store_s = median_seconds(lambda: store(*batches.pop()), device, reps, warmup=0)
     held, targets = stored[-1], rng.sample(range(rows), moved)
 
     def retrieve() -> None:
@@ -152,13 +176,28 @@ def _rates(engine: Any, moved: int, device: torch.device, reps: int) -> dict[str
     return {"store": nbytes / store_s / 1e9, "retrieve": nbytes / load_s / 1e9}
 
 
-def _lookup_rtt(client: DepotClient, keys: list[bytes], n: int) -> dict[str, Any]:
-    blob, samples = w.join_keys(keys), []
+class _Dropped(RuntimeError):
+    """A store placed fewer chunks than it was given."""
+
+
+def _host_full(engine: Any) -> bool:
+    """Every slot of the (in-process or server) engine's host arena is allocated and holds a chunk."""
+    stats = engine.stats()
+    if isinstance(stats, p.StatsReply):
+        figures = stats.shards[0].figures if stats.shards else {}
+        return figures.get("host_chunks", 0) >= figures.get("host_capacity_chunks", 1)
+    return stats is not None and stats.host_chunks >= stats.host_capacity_chunks
+
+
+def _rtt(client: DepotClient, keys: list[bytes] | None, n: int) -> dict[str, Any]:
+    """PING round trips (``keys`` None), or LOOKUPs of ``keys`` each followed by its RELEASE."""
+    blob, samples = w.join_keys(keys or []), []
     for i in range(n):
         started = time.perf_counter()
-        client.call(p.Lookup(i, blob))
+        client.call(p.Ping() if keys is None else p.Lookup(i, blob))
         samples.append((time.perf_counter() - started) * 1e6)
-        client.submit(p.Release(i))
+        if keys is not None:
+            client.submit(p.Release(i))
     samples.sort()
     return {"p50 us": samples[n // 2], "p99 us": samples[min(n - 1, n * 99 // 100)]}
 

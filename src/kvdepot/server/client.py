@@ -7,15 +7,27 @@
       .ready / .session_id / .close()
     print_stats(url) -> exit code                  ``kvdepot stats``
 
-One I/O thread owns a DEALER socket; callers hand it frames through a queue and a wake-up pipe
-and wait on futures keyed by request id, so a late reply is simply dropped (a REQ socket would
-be stuck after a timeout). A keeper thread PINGs every ``heartbeat_s`` — which also keeps the
-server-side session alive — and re-runs HELLO plus the ``on_connect`` hooks whenever the server
-is back or has restarted (a new server id, or a NO_SESSION error).
+One DEALER socket per client, shared by the threads that use it under a lock that is held only
+for non-blocking socket operations. No hand-off between threads on a call: the calling thread
+sends its request itself, and a thread that needs the reply reads the socket itself —
+``result()`` on the future (``call`` uses it) sleeps in ``poll`` on the socket's notification
+fd (``ZMQ_FD``), never on the socket, and ``done()`` drains without waiting. Whoever drains
+settles every call whose reply it finds, and wakes that call's waiting thread through a
+per-thread pipe (the fd will not signal that reply a second time). Replies are matched by
+request id, so a late reply is simply dropped (a REQ socket would be stuck after a timeout).
 
-While the server is unreachable every call fails at once with ``ServerUnavailable`` (the
-socket has ZMQ_IMMEDIATE set, so nothing queues for a dead peer) and exactly one warning is
-logged per outage; callers answer "0 hits" and skip their stores.
+Rule of the shared socket: every holder of the lock drains (non-blocking receives until EAGAIN)
+before it lets go, since any ZMQ operation may consume the fd's readiness; after that drain the
+fd turns readable on the next arrival, so no reply waits unseen by a thread polling the fd.
+
+An I/O thread ticks every 50 ms (at once when woken): it offers again what ZMQ could not take
+(no live connection yet: with ZMQ_IMMEDIATE nothing queues inside ZMQ for a dead peer), drains
+replies nobody asked for (fire-and-forget RELEASE), and expires calls past their deadline. A
+keeper thread PINGs every ``heartbeat_s`` — which also keeps the server-side session alive — and
+re-runs HELLO plus the ``on_connect`` hooks whenever the server is back or has restarted (a new
+server id, or a NO_SESSION error). While the server is unreachable every call fails at once with
+``ServerUnavailable`` and exactly one warning is logged per outage; callers answer "0 hits" and
+skip their stores.
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ import contextlib
 import itertools
 import logging
 import os
-import queue
+import select
 import sys
 import threading
 import time
@@ -33,7 +45,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Any
 
 import msgspec
 import zmq
@@ -48,6 +60,9 @@ logger = logging.getLogger("kvdepot")
 
 Result = tuple[msgspec.Struct, list[memoryview]]
 
+_IDLE_POLL_S = 0.05  # the longest any thread sleeps without re-checking deadlines and closing
+_RETRY_SEND_S = 0.01  # how soon a message ZMQ refused (no live peer yet) is offered again
+
 
 class ServerUnavailable(TierUnavailable):
     """No (timely) answer from the server; the caller treats it as a miss."""
@@ -61,11 +76,32 @@ class ServerError(KVDepotError):
         self.code, self.message = code, message
 
 
+class _Reply(Future):
+    """A call's future whose ``result()`` and ``done()`` read the socket in the asking thread."""
+
+    def __init__(self, client: DepotClient, req_id: int) -> None:
+        super().__init__()
+        self._client, self._req_id = client, req_id
+        self._waker: tuple[int, int] | None = None  # (thread id, wake-up pipe) of its waiting thread
+
+    def done(self) -> bool:
+        if not super().done():
+            self._client._drain_now()
+        return super().done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        return super().result(self._client._wait(self, timeout))
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return super().exception(self._client._wait(self, timeout))
+
+
 @dataclass
 class _Call:
     future: Future
     reply: type[msgspec.Struct]
     deadline: float
+    timeout: float
 
 
 class DepotClient:
@@ -77,18 +113,25 @@ class DepotClient:
         self.timeout_s, self.heartbeat_s, self.name = timeout_s, heartbeat_s, name
         self.session_id, self.server_id = 0, 0
         self._ctx = zmq.Context()
-        self._outbox: queue.SimpleQueue[tuple[int, list[p.Buffer]]] = queue.SimpleQueue()
+        self._sock: zmq.Socket | None = self._socket()
+        self._fd: int = self._sock.getsockopt(zmq.FD)  # readable when the socket may have news
+        self._sock_lock = threading.RLock()  # the socket and _unsent; held for non-blocking calls only
+        self._unsent: deque[tuple[int, list[p.Buffer]]] = deque()  # in order, ZMQ could not take yet
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._calls: dict[int, _Call] = {}
-        self._calls_lock = threading.Lock()
+        self._calls_lock = threading.Lock()  # _calls and _waiters
+        self._waiters = 0  # threads in _wait
         self._ids = itertools.count(1)
         self._hooks: list[Callable[[], None]] = []
         self._ready = threading.Event()
         self._retry = threading.Event()
         self._closed = threading.Event()
         self._handshake_lock = threading.Lock()
+        self._warn_lock = threading.Lock()
         self._warned = not log_outages  # True: the one warning per outage has been logged
         self._log_outages = log_outages
+        self._local = threading.local()  # per thread that waits: a poll set and a wake-up pipe
+        self._pipes: list[int] = []  # every such pipe's fds, closed with the client
         self._io = threading.Thread(target=self._io_loop, name="kvdepot-client-io", daemon=True)
         self._io.start()
         self._keeper = threading.Thread(target=self._keep, name="kvdepot-client-keeper", daemon=True)
@@ -116,28 +159,93 @@ class DepotClient:
     # ---- calls ---------------------------------------------------------------------------------
     def submit(self, msg: msgspec.Struct, payloads: Sequence[p.Buffer] = (), *, timeout: float | None = None,
                handshake: bool = False) -> Future:
-        future: Future = Future()
+        """Send now, from this thread. The future's ``result()`` waits for the reply in the thread
+        that asks; a future nobody asks about is settled by the I/O thread's next tick."""
+        req_id = next(self._ids)
+        future = _Reply(self, req_id)
         if self._closed.is_set() or not (handshake or self._ready.is_set()):
             future.set_exception(ServerUnavailable(f"kvdepot server {self.url} is not connected"))
             return future
         op = p.OP_OF[type(msg)]
-        req_id = next(self._ids)
+        frames = w.request_frames(op, req_id, msg, payloads)
+        timeout = self.timeout_s if timeout is None else timeout
         with self._calls_lock:
-            deadline = time.monotonic() + (self.timeout_s if timeout is None else timeout)
-            self._calls[req_id] = _Call(future, p.OPS[op].reply, deadline)
-        self._outbox.put((req_id, w.request_frames(op, req_id, msg, payloads)))
-        self._wake()
+            self._calls[req_id] = _Call(future, p.OPS[op].reply, time.monotonic() + timeout, timeout)
+        with self._sock_lock:
+            self._unsent.append((req_id, frames))
+            self._pump_locked()
+            queued = bool(self._unsent)
+        if queued:
+            self._wake()  # the I/O thread offers it again until a connection takes it
         return future
 
     def call(self, msg: msgspec.Struct, payloads: Sequence[p.Buffer] = (), *, timeout: float | None = None,
              handshake: bool = False) -> Result:
         """Send and wait for the reply; ``ServerUnavailable`` or ``ServerError`` on failure."""
         future = self.submit(msg, payloads, timeout=timeout, handshake=handshake)
-        wait = (self.timeout_s if timeout is None else timeout) + 1.0  # the I/O thread expires it first
+        wait = (self.timeout_s if timeout is None else timeout) + 1.0  # the call's deadline expires it first
         try:
             return future.result(wait)
         except FutureTimeout:
             raise ServerUnavailable(f"no reply from {self.url} in {wait:.1f} s") from None
+
+    def _wait(self, future: _Reply, timeout: float | None) -> float | None:
+        """Read the socket in this thread until ``future`` is settled, its deadline passes (it is
+        then settled as unavailable), or ``timeout`` runs out; returns what is left of
+        ``timeout``. Sleeps outside the lock."""
+        if Future.done(future):
+            return timeout
+        limit = time.monotonic() + timeout if timeout is not None else float("inf")
+        local = self._local
+        if not hasattr(local, "poller"):  # once per thread: a poll set of the socket's fd and a waker
+            local.wake_r, local.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            with self._calls_lock:
+                self._pipes += [local.wake_r, local.wake_w]
+            local.poller = select.poll()
+            local.poller.register(self._fd, select.POLLIN)
+            local.poller.register(local.wake_r, select.POLLIN)
+        with contextlib.suppress(BlockingIOError):
+            os.read(local.wake_r, 64)  # a stale wake-up would only cost a spin
+        with self._calls_lock:
+            self._waiters += 1
+        # Set before looking at the future: a thread that settles it from now on writes the pipe.
+        # The socket was drained since the request went out, so its fd signals any reply from then.
+        future._waker = (threading.get_ident(), local.wake_w)
+        try:
+            while True:
+                now = time.monotonic()
+                with self._calls_lock:
+                    call = self._calls.get(future._req_id)
+                # Settled; being settled by another thread, or the client closing (Future's own
+                # wait covers both); or out of time.
+                if Future.done(future) or call is None or self._closed.is_set() or now >= limit:
+                    return None if timeout is None else max(0.0, limit - now)
+                if call.deadline <= now:
+                    self._settle(future._req_id, error=self._late(call))
+                    return timeout
+                pause = min(min(limit, call.deadline) - now, _RETRY_SEND_S if self._unsent else _IDLE_POLL_S)
+                with contextlib.suppress(InterruptedError):
+                    for fd, _ in local.poller.poll(max(0.0, pause) * 1000):
+                        if fd == local.wake_r:
+                            with contextlib.suppress(BlockingIOError):
+                                os.read(local.wake_r, 64)
+                with self._sock_lock:
+                    self._pump_locked()
+        finally:
+            future._waker = None
+            with self._calls_lock:
+                self._waiters -= 1
+
+    def _drain_now(self) -> None:
+        """Settle what has arrived, unless another thread holds the socket (it drains then)."""
+        if self._sock_lock.acquire(blocking=False):
+            try:
+                self._pump_locked()
+            finally:
+                self._sock_lock.release()
+
+    def _late(self, call: _Call) -> ServerUnavailable:
+        return ServerUnavailable(f"no reply from {self.url} within {call.timeout:g} s")
 
     def _settle(self, req_id: int, result: Result | None = None, error: BaseException | None = None) -> None:
         with self._calls_lock:
@@ -153,8 +261,12 @@ class DepotClient:
             call.future.set_exception(error)
         else:
             call.future.set_result(result)
+        waker = getattr(call.future, "_waker", None)
+        if waker is not None and waker[0] != threading.get_ident():
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(waker[1], b"\0")
 
-    # ---- the I/O thread (the only one touching the socket) -------------------------------------
+    # ---- the socket (every use under _sock_lock, none of them blocking) ---------------------------
     def _socket(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         for option, value in ((zmq.LINGER, 0), (zmq.IMMEDIATE, 1), (zmq.RECONNECT_IVL, 100),
@@ -163,73 +275,75 @@ class DepotClient:
         sock.connect(self.url)
         return sock
 
-    def _io_loop(self) -> None:
-        sock = self._socket()
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        unsent: deque[tuple[int, list[p.Buffer]]] = deque()
-        while not self._closed.is_set():
-            events = dict(poller.poll(10 if unsent else 50))
-            if self._wake_r in events:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(self._wake_r, 1 << 16)
-            while True:
-                try:
-                    unsent.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            self._send(sock, unsent)
-            if sock in events:
-                self._read_replies(sock)
-            self._expire()
-        sock.close(0)
-        with self._calls_lock:
-            left = list(self._calls)
-        for req_id in left:
-            self._settle(req_id, error=ServerUnavailable("client closed"))
+    def _pump_locked(self) -> None:
+        """Send what waits to be sent, in order, then drain every reply that has arrived.
 
-    def _send(self, sock: zmq.Socket, unsent: deque[tuple[int, list[p.Buffer]]]) -> None:
-        """Send in order; with ZMQ_IMMEDIATE a message waits here (until its deadline) for a live
-        connection instead of queueing inside ZMQ for a peer that may be dead."""
-        while unsent:
-            req_id, frames = unsent[0]
+        With ZMQ_IMMEDIATE a message waits here (until its deadline) for a live connection
+        instead of queueing inside ZMQ for a peer that may be dead."""
+        sock = self._sock
+        if sock is None:
+            return
+        while self._unsent:
+            req_id, frames = self._unsent[0]
             with self._calls_lock:
                 live = req_id in self._calls
             if live:
                 try:
                     sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 except zmq.Again:
-                    return
-            unsent.popleft()
+                    break
+            self._unsent.popleft()
+        # Until ZMQ_EVENTS (which processes pending commands) shows nothing more to read: from
+        # then on the fd signals the next arrival.
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._deliver(sock.recv_multipart(zmq.NOBLOCK, copy=False))
 
-    def _read_replies(self, sock: zmq.Socket) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+    def _deliver(self, frames: list[zmq.Frame]) -> None:
+        try:
+            header = w.parse_reply_header(frames[0].buffer)
+            with self._calls_lock:
+                call = self._calls.get(header.req_id)
+            if call is None:
                 return
-            try:
-                header = w.parse_reply_header(frames[0].buffer)
-                with self._calls_lock:
-                    call = self._calls.get(header.req_id)
-                if call is None:
-                    continue
-                if header.status:
-                    err = w.decode(frames[1].buffer, p.ErrorReply)
-                    self._settle(header.req_id, error=ServerError(err.code, err.message))  # type: ignore[attr-defined]
-                else:
-                    body = w.decode(frames[1].buffer, call.reply)
-                    self._settle(header.req_id, (body, [f.buffer for f in frames[2:]]))
-            except (msgspec.MsgspecError, IndexError) as exc:
-                logger.warning("kvdepot: undecodable reply from %s dropped: %s", self.url, exc)
+            if header.status:
+                err = w.decode(frames[1].buffer, p.ErrorReply)
+                self._settle(header.req_id, error=ServerError(err.code, err.message))  # type: ignore[attr-defined]
+            else:
+                body = w.decode(frames[1].buffer, call.reply)
+                self._settle(header.req_id, (body, [f.buffer for f in frames[2:]]))
+        except (msgspec.MsgspecError, IndexError) as exc:
+            logger.warning("kvdepot: undecodable reply from %s dropped: %s", self.url, exc)
+
+    # ---- the I/O thread: retried sends, replies nobody asked for, deadlines ---------------------
+    def _io_loop(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        while not self._closed.is_set():
+            with contextlib.suppress(InterruptedError):
+                poller.poll((_RETRY_SEND_S if self._unsent else _IDLE_POLL_S) * 1000)
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 1 << 16)
+            with self._sock_lock:
+                self._pump_locked()  # replies first: one that arrived in time is not expired
+            self._expire()
+        with self._calls_lock:
+            left = list(self._calls)
+        for req_id in left:
+            self._settle(req_id, error=ServerUnavailable("client closed"))
+        deadline = time.monotonic() + 1.0  # waiting threads see their futures settled and leave
+        while self._waiters and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with self._sock_lock:
+            sock, self._sock = self._sock, None
+            if sock is not None:
+                sock.close(0)
 
     def _expire(self) -> None:
         now = time.monotonic()
         with self._calls_lock:
-            late = [req_id for req_id, call in self._calls.items() if call.deadline <= now]
-        for req_id in late:
-            self._settle(req_id, error=ServerUnavailable(f"no reply from {self.url} within {self.timeout_s:g} s"))
+            late = [(req_id, call) for req_id, call in self._calls.items() if call.deadline <= now]
+        for req_id, call in late:
+            self._settle(req_id, error=self._late(call))
 
     def _wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
@@ -239,8 +353,9 @@ class DepotClient:
     def _mark_down(self, reason: str) -> None:
         self._ready.clear()
         self._retry.set()
-        if not self._warned:
-            self._warned = True
+        with self._warn_lock:  # callers fail on their own threads now: still one warning
+            warn, self._warned = not self._warned, True
+        if warn:
             logger.warning("kvdepot: server %s unavailable (%s); lookups miss and stores are skipped "
                            "until it is back", self.url, reason)
 
@@ -302,7 +417,7 @@ class DepotClient:
         self._wake()
         self._io.join(2.0)
         self._keeper.join(2.0)
-        for fd in (self._wake_r, self._wake_w):
+        for fd in (self._wake_r, self._wake_w, *self._pipes):
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._ctx.term()

@@ -1,14 +1,20 @@
-"""The ZMQ side of the server: one loop thread owns the ROUTER socket; handlers run on a pool.
+"""The ZMQ side of the server: one loop thread reads the ROUTER socket; handlers run on a pool.
 
     DepotServer(url, config, ...).start()    bind, then serve on a background thread
     DepotServer(...).serve_forever()         serve in this thread until SIGINT/SIGTERM
     DepotServer.stop()                       stop serving, close sessions, remove the socket file
 
-The loop reads requests, runs the operations declared ``inline`` itself (cheap, never blocking:
-PING, QUERY_PREFETCH_STATUS) and hands the others to the thread pool. Workers put their reply
-frames on a queue and write a byte to a pipe the loop polls next to the socket, so only the
-loop thread ever touches the socket. At most ``max_pending`` requests wait for the pool; beyond
-that the server answers BUSY rather than queueing without bound.
+The loop reads requests and answers at once those that cannot block (``DepotService.try_inline``:
+PING, QUERY_PREFETCH_STATUS, and LOOKUP/RELEASE over host memory when no engine lock is held);
+the others go to the thread pool, and the worker that ran one sends its reply itself. At most
+``max_pending`` requests wait for the pool; beyond that the server answers BUSY rather than
+queueing without bound.
+
+The socket is shared the way the client shares its own: every use is non-blocking and under a
+lock; the loop sleeps in ``poll`` on the socket's notification fd (``ZMQ_FD``) and a wake-up
+pipe, never on the socket. Any ZMQ operation may consume the fd's readiness, so a worker that
+has sent a reply checks ``ZMQ_EVENTS`` and wakes the loop if a request is waiting unread, and
+the loop reads until EAGAIN (or, after a batch, goes round again without sleeping).
 
 One server per URL: an ipc:// server holds an exclusive lock on ``<socket>.lock`` for its
 life (a second one fails at once, naming the first one's pid); a TCP server fails on bind.
@@ -20,7 +26,7 @@ import contextlib
 import fcntl
 import logging
 import os
-import queue
+import select
 import signal
 import threading
 import time
@@ -65,7 +71,7 @@ class DepotServer:
         self._pool: ThreadPoolExecutor | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._replies: queue.SimpleQueue[tuple[bytes, list[p.Buffer]]] = queue.SimpleQueue()
+        self._sock_lock = threading.Lock()  # the router; held for non-blocking calls only
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._pending = 0
         self._pending_lock = threading.Lock()
@@ -147,9 +153,10 @@ class DepotServer:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self.service.close()
-        if self._router is not None:
-            self._router.close(0)
-            self._router = None
+        with self._sock_lock:
+            router, self._router = self._router, None
+        if router is not None:
+            router.close(0)
             path = ipc_path(self.url)
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
@@ -186,35 +193,42 @@ class DepotServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # ---- the loop (the only thread that touches the socket) -----------------------------------
+    # ---- the loop: reads every request, answers the cheap ones -------------------------------
     def _loop(self) -> None:
         assert self._router is not None
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller = select.poll()
+        poller.register(self._router.getsockopt(zmq.FD), select.POLLIN)
+        poller.register(self._wake_r, select.POLLIN)
         next_reap = time.monotonic() + self.reap_interval_s
+        more = False
         while not self._stopping.is_set():
-            timeout_ms = max(0, int((next_reap - time.monotonic()) * 1000))
-            events = dict(poller.poll(timeout_ms))
-            if self._router in events:
-                self._read_requests()
-            if self._wake_r in events:
+            timeout_ms = 0 if more else max(0, int((next_reap - time.monotonic()) * 1000))
+            events: list = []
+            with contextlib.suppress(InterruptedError):
+                events = poller.poll(timeout_ms)
+            if any(fd == self._wake_r for fd, _ in events):
                 with contextlib.suppress(BlockingIOError):
                     os.read(self._wake_r, 1 << 16)
-            self._flush_replies()
+            more = self._read_requests()
             if time.monotonic() >= next_reap:
                 next_reap = time.monotonic() + self.reap_interval_s
                 if not self._reaping:
                     self._reaping = True
                     self._submit(self._reap)
 
-    def _read_requests(self) -> None:
+    def _read_requests(self) -> bool:
+        """Handle what has arrived; True if it stopped at the batch limit with more waiting."""
         assert self._router is not None
-        for _ in range(256):  # then flush replies before reading more
-            try:
-                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+        for _ in range(256):  # then look at stop and upkeep before reading more
+            with self._sock_lock:
+                # ZMQ_EVENTS processes pending commands: once it shows nothing to read, the fd
+                # signals the next request.
+                if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return False
+                try:
+                    frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    continue
             peer = frames[0].bytes
             body = [f.buffer for f in frames[1:]]
             try:
@@ -222,8 +236,9 @@ class DepotServer:
             except p.ProtocolError as exc:
                 self._send(peer, w.error_frames(exc.req_id, exc.code, exc.message))
                 continue
-            if spec.inline:
-                self._send(peer, self.service.dispatch(peer, header.req_id, spec, msg, payloads))
+            reply = self.service.try_inline(peer, header.req_id, spec, msg, payloads)
+            if reply is not None:
+                self._send(peer, reply)
                 continue
             with self._pending_lock:
                 busy = self._pending >= self.max_pending
@@ -235,6 +250,7 @@ class DepotServer:
                 with self._pending_lock:
                     self._pending -= 1
             self._send(peer, w.error_frames(header.req_id, p.ErrorCode.BUSY, "server busy; retry later"))
+        return True
 
     def _submit(self, fn: Any, *args: Any) -> bool:
         try:
@@ -250,8 +266,8 @@ class DepotServer:
         finally:
             with self._pending_lock:
                 self._pending -= 1
-        self._replies.put((peer, frames))
-        self._wake()
+        if self._send(peer, frames):
+            self._wake()  # the send took the fd's signal of a request still unread: the loop reads it
 
     def _reap(self) -> None:
         try:
@@ -265,17 +281,14 @@ class DepotServer:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"\0")
 
-    def _flush_replies(self) -> None:
-        while True:
+    def _send(self, peer: bytes, frames: list[p.Buffer]) -> bool:
+        """Send a reply (dropped if the peer is gone); True if a request now waits unread."""
+        with self._sock_lock:
+            router = self._router
+            if router is None:
+                return False
             try:
-                peer, frames = self._replies.get_nowait()
-            except queue.Empty:
-                return
-            self._send(peer, frames)
-
-    def _send(self, peer: bytes, frames: list[p.Buffer]) -> None:
-        assert self._router is not None
-        try:
-            self._router.send_multipart([peer, *frames], zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as exc:  # the peer is gone or not reading: its reply is dropped
-            logger.debug("kvdepot server: reply to %r dropped: %s", peer, exc)
+                router.send_multipart([peer, *frames], zmq.NOBLOCK, copy=False)
+            except zmq.ZMQError as exc:  # the peer is gone or not reading: its reply is dropped
+                logger.debug("kvdepot server: reply to %r dropped: %s", peer, exc)
+            return bool(router.getsockopt(zmq.EVENTS) & zmq.POLLIN)

@@ -3,6 +3,11 @@
 Transport-free: ``handle(peer, frames)`` takes a request's frames and returns the reply's, so
 the ZMQ loop (``server.py``) and tests drive the same code. Every failure becomes an error
 reply with a code and a message; nothing a client sends can take the service down.
+
+``try_inline`` answers on the caller's (the loop's) thread what cannot block: the operations the
+protocol declares inline (PING, QUERY_PREFETCH_STATUS), and LOOKUP (by keys, at most
+``INLINE_KEYS``) and RELEASE when every engine involved has no lower tier (disk/Redis lookups
+may wait on I/O) and its lock is free right now; anything else is left for the pool (None).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import Any
 
 import msgspec
 import torch
@@ -33,6 +39,7 @@ from kvdepot.server.shard import Group
 logger = logging.getLogger("kvdepot")
 
 MAX_CHUNKS = 1 << 20  # keys in one message (a 256M-token prompt at chunk 256)
+INLINE_KEYS = 2048  # a longer LOOKUP runs on the pool: the loop thread serves everyone
 MAX_BLOCKS = 1 << 22
 _LIMITS = {"tp_size": 4096, "num_blocks": 1 << 31, "num_layers": 4096, "block_elems": 1 << 31,
            "tokens_per_block": 1 << 20, "bytes_per_block": 1 << 36}
@@ -65,9 +72,26 @@ class DepotService:
     def dispatch(self, peer: bytes, req_id: int, spec: p.OpSpec, msg: msgspec.Struct,
                  payloads: p.Payloads) -> list[p.Buffer]:
         """Run one parsed request's handler; every failure becomes an error reply."""
+        return self._run(getattr(self, spec.handler), peer, req_id, msg, payloads)
+
+    def try_inline(self, peer: bytes, req_id: int, spec: p.OpSpec, msg: msgspec.Struct,
+                   payloads: p.Payloads) -> list[p.Buffer] | None:
+        """The reply frames if the request can be answered now without blocking, else None."""
+        name = spec.handler if spec.inline else _NOW.get(spec.handler)
+        if name is None:
+            return None
         try:
-            reply, out = getattr(self, spec.handler)(peer, msg, payloads)
+            return self._run(getattr(self, name), peer, req_id, msg, payloads)
+        except _WouldBlock:
+            return None
+
+    def _run(self, handler: Any, peer: bytes, req_id: int, msg: msgspec.Struct,
+             payloads: p.Payloads) -> list[p.Buffer]:
+        try:
+            reply, out = handler(peer, msg, payloads)
             return w.reply_frames(req_id, reply, out)
+        except _WouldBlock:
+            raise
         except ProtocolError as exc:
             return w.error_frames(req_id, exc.code, exc.message)
         except (LayoutError, ConfigError, msgspec.ValidationError) as exc:
@@ -161,23 +185,37 @@ class DepotService:
         return group
 
     # ---- lookups ------------------------------------------------------------------------------
-    def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads) -> p.Reply:
+    def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads, *, now: bool = False) -> p.Reply:
+        if now and (msg.tokens or len(msg.keys) > INLINE_KEYS * KEY_BYTES):
+            raise _WouldBlock  # hashing tokens, or a very long prompt: not on the loop thread
         session = self._session(peer)
         reg = session.registration()
         if len(msg.keys) > MAX_CHUNKS * KEY_BYTES or len(msg.tokens) > MAX_CHUNKS * 16 or msg.skip_tokens < 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "LOOKUP: too many keys/tokens or a negative skip")
         keys = w.split_keys(msg.keys) if msg.keys else reg.group.hasher.chunk_keys(msg.tokens)
-        matched, ready = reg.group.probe(keys, msg.skip_tokens, session.lease(msg.request_id))
+        lease = session.lease(msg.request_id)
+        hit = reg.group.try_probe(keys, msg.skip_tokens, lease) if now else reg.group.probe(keys, msg.skip_tokens, lease)
+        if hit is None:
+            raise _WouldBlock
+        matched, ready = hit
         # Chunks found only in disk/Redis are being promoted into host memory: pending until then.
         status = p.PrefetchStatus(ready >= matched, matched, ready)
         session.put_prefetch(msg.request_id, status, self.config.lease_timeout_s)
         return status, []
+
+    def lookup_now(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads) -> p.Reply:
+        return self.lookup(peer, msg, payloads, now=True)
 
     def query_prefetch_status(self, peer: bytes, msg: p.QueryPrefetch, payloads: p.Payloads) -> p.Reply:
         return self._session(peer).get_prefetch(msg.request_id), []
 
     def release(self, peer: bytes, msg: p.Release, payloads: p.Payloads) -> p.Reply:
         self._session(peer).drop_prefetch(msg.request_id)
+        return p.Empty(), []
+
+    def release_now(self, peer: bytes, msg: p.Release, payloads: p.Payloads) -> p.Reply:
+        if not self._session(peer).drop_prefetch(msg.request_id, now=True):
+            raise _WouldBlock
         return p.Empty(), []
 
     # ---- copies -------------------------------------------------------------------------------
@@ -283,6 +321,13 @@ class DepotService:
         prefetches = sum(len(s.prefetch) for s in sessions)
         return p.StatsReply(self.server_id, os.getpid(), self.url, time.monotonic() - self.started,
                             len(sessions), mappings, prefetches, shards)
+
+
+class _WouldBlock(Exception):  # noqa: N818 - a signal between try_inline and its handlers, not an error
+    """The operation cannot finish without waiting: run it on the pool instead."""
+
+
+_NOW = {"lookup": "lookup_now", "release": "release_now"}  # non-blocking variants, for try_inline
 
 
 def _figures(stats: object) -> dict[str, float]:

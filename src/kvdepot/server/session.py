@@ -108,12 +108,20 @@ class Session:
             entry.status = PrefetchStatus(True, matched, matched)
         return entry.status
 
-    def drop_prefetch(self, request_id: int) -> None:
-        with self._cond:
-            self.prefetch.pop(request_id, None)
+    def drop_prefetch(self, request_id: int, *, now: bool = False) -> bool:
+        """Drop a lookup's state and leases; with ``now``, only if no engine lock must be waited
+        for (False, and nothing dropped, otherwise)."""
         reg = self.reg
         if reg is not None:
-            reg.group.release(self.lease(request_id))
+            lease = self.lease(request_id)
+            if now:
+                if not reg.group.try_release(lease):
+                    return False
+            else:
+                reg.group.release(lease)
+        with self._cond:
+            self.prefetch.pop(request_id, None)
+        return True
 
     def expire_prefetch(self, now: float) -> int:
         with self._cond:

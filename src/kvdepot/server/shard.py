@@ -15,10 +15,11 @@ the engine's rank-specific namespace digest.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import torch
 
@@ -43,6 +44,9 @@ class Shard:
         self._placeholder = torch.empty(
             (1, layout.num_layers, layout.kv_factor, layout.block_elems), dtype=layout.dtype, device="meta"
         )
+        # Attaching starts the engine's arena pinning (CUDA hosts): from registration on rather
+        # than from the first store, so fewer copies run next to cudaHostAlloc.
+        self._detach_locked()
 
     @staticmethod
     def _check_deadline(deadline_ns: int) -> None:
@@ -149,9 +153,50 @@ class Group:
         hits = [s.engine.probe(keys=keys, skip_tokens=skip_tokens, lease=lease) for s in list(self.shards.values())]
         return min(h.tokens for h in hits), min(h.host_tokens for h in hits)
 
+    def try_probe(self, keys: Sequence[ChunkKey], skip_tokens: int, lease: Hashable) -> tuple[int, int] | None:
+        """``probe`` if it cannot block — no rank has a lower tier (their lookups may do I/O) and
+        every rank's engine is free right now — else None (nothing done)."""
+        if not self.complete:
+            return 0, 0
+        shards = list(self.shards.values())
+        if any(s.engine.lower is not None for s in shards):
+            return None
+        with _all_free(shards) as free:
+            return self.probe(keys, skip_tokens, lease) if free else None
+
+    def try_release(self, lease: Hashable) -> bool:
+        """``release`` if every rank's engine is free right now; False (nothing done) otherwise."""
+        shards = list(self.shards.values())
+        with _all_free(shards) as free:
+            if free:
+                self.release(lease)
+            return free
+
     def promotions_done(self, lease: Hashable) -> bool:
         return all(s.engine.promotion_done(lease) for s in list(self.shards.values()))
 
     def release(self, lease: Hashable) -> None:
         for shard in list(self.shards.values()):
             shard.engine.release(lease)
+
+
+@contextlib.contextmanager
+def _all_free(shards: Sequence[Shard]) -> Iterator[bool]:
+    """Hold every shard's engine lock if each is free now (True), else none of them (False).
+
+    NOTE: the engine's lock is private to it; taking it without blocking is the only way to know
+    a host lookup would not wait behind a copy's bookkeeping or a pool swap (the engine's calls
+    take it again, re-entrantly).
+    """
+    held = []
+    try:
+        for shard in shards:
+            lock = shard.engine._lock
+            if not lock.acquire(blocking=False):
+                yield False
+                return
+            held.append(lock)
+        yield True
+    finally:
+        for lock in reversed(held):
+            lock.release()
