@@ -21,6 +21,7 @@ import gc
 import json
 import random
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -65,8 +66,12 @@ def _ready(server_url: str | None) -> None:
 
     if server_url is None:
         current_engine().wait_arena()  # steady state: a serving engine has pinned its arena long ago
-    elif current_remote() is None:
-        raise RuntimeError("the MP connector did not register with the kvdepot server")
+        return
+    deadline = time.monotonic() + 120  # a cold server initializes CUDA and maps the pool first
+    while current_remote() is None:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the MP connector did not register with the kvdepot server in 120 s")
+        time.sleep(0.1)
 
 
 def _teardown() -> None:
