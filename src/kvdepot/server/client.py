@@ -289,28 +289,28 @@ class DepotClient:
                 live = req_id in self._calls
             if live:
                 try:
-                    sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                    sock.send_multipart(frames, zmq.NOBLOCK, copy=len(frames) <= 2)  # zero-copy for payloads
                 except zmq.Again:
                     break
             self._unsent.popleft()
         # Until ZMQ_EVENTS (which processes pending commands) shows nothing more to read: from
         # then on the fd signals the next arrival.
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._deliver(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            self._deliver(recv_frames(sock, 2))
 
-    def _deliver(self, frames: list[zmq.Frame]) -> None:
+    def _deliver(self, frames: list[p.Buffer]) -> None:
         try:
-            header = w.parse_reply_header(frames[0].buffer)
+            header = w.parse_reply_header(frames[0])
             with self._calls_lock:
                 call = self._calls.get(header.req_id)
             if call is None:
                 return
             if header.status:
-                err = w.decode(frames[1].buffer, p.ErrorReply)
+                err = w.decode(frames[1], p.ErrorReply)
                 self._settle(header.req_id, error=ServerError(err.code, err.message))  # type: ignore[attr-defined]
             else:
-                body = w.decode(frames[1].buffer, call.reply)
-                self._settle(header.req_id, (body, [f.buffer for f in frames[2:]]))
+                body = w.decode(frames[1], call.reply)
+                self._settle(header.req_id, (body, frames[2:]))  # type: ignore[arg-type]
         except (msgspec.MsgspecError, IndexError) as exc:
             logger.warning("kvdepot: undecodable reply from %s dropped: %s", self.url, exc)
 
@@ -421,6 +421,15 @@ class DepotClient:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._ctx.term()
+
+
+def recv_frames(sock: zmq.Socket, small: int) -> list[p.Buffer]:
+    """One whole message, received without blocking (ZMQ delivers all parts at once): its first
+    ``small`` frames as bytes (cheaper than zero-copy frames for a few bytes), the rest zero-copy."""
+    frames: list[p.Buffer] = [sock.recv(zmq.NOBLOCK)]
+    while sock.getsockopt(zmq.RCVMORE):
+        frames.append(sock.recv(zmq.NOBLOCK) if len(frames) < small else sock.recv(zmq.NOBLOCK, copy=False).buffer)
+    return frames
 
 
 def print_stats(url: str | None = None, file: IO[str] | None = None, timeout_s: float = 2.0) -> int:

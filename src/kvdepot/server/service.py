@@ -31,7 +31,7 @@ from kvdepot.keys import KEY_BYTES
 from kvdepot.layout import PoolLayout
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
-from kvdepot.server.ipc import IpcError, frame_tensor, open_pool, torch_dtype
+from kvdepot.server.ipc import IpcError, device_by_uuid, frame_tensor, open_pool, torch_dtype
 from kvdepot.server.protocol import ErrorCode, ProtocolError
 from kvdepot.server.session import Registration, Session
 from kvdepot.server.shard import Group
@@ -164,7 +164,7 @@ class DepotService:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: bytes_per_block {msg.bytes_per_block} != "
                                 f"{layout.bytes_per_block} computed from the geometry")
         group = self._group(msg, layout)
-        shard = group.shard(msg.tp_rank, layout)
+        shard = group.shard(msg.tp_rank, layout, _cuda_index(msg.pool))
         shape = (layout.num_blocks, layout.num_layers, layout.kv_factor, layout.block_elems)
         pool = open_pool(msg.pool, shape, dtype, allow_shm=self.allow_shm)
         session.install(Registration(group, shard, layout, pool), self.session_timeout_s)
@@ -341,6 +341,16 @@ def _figures(stats: object) -> dict[str, float]:
                 name = row.get("name", "tier") if isinstance(row, dict) else "tier"
                 out.update({f"{name}_{k}": float(v) for k, v in row.items() if isinstance(v, (int, float))})
     return out
+
+
+def _cuda_index(desc: p.PoolDesc) -> int | None:
+    """The local index of a CUDA pool's GPU, or None (not CUDA, or not visible here)."""
+    if not isinstance(desc, p.CudaIpcPool) or not torch.cuda.is_available():
+        return None
+    try:
+        return device_by_uuid(desc.device_uuid)
+    except IpcError:
+        return None
 
 
 def _device(tensor: torch.Tensor):  # type: ignore[no-untyped-def]
