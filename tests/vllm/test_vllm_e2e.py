@@ -1,7 +1,8 @@
 """End to end through real vLLM (CPU backend), vLLM's own prefix caching off: a hit can only
-come from kvdepot. Two engines run side by side in child processes — vLLM alone, and vLLM with
-``KvDepotConnector`` — over the same prompts; outputs must agree, and the connector's stats
-file (written inside vLLM's engine) must show where the hits came from.
+come from kvdepot. Two engines run side by side in child processes — vLLM alone (conftest's
+``vllm_alone``), and vLLM with ``KvDepotConnector`` in-process — over the same prompts; outputs
+must agree, and the connector's stats file (written inside vLLM's engine) must show where the
+hits came from.
 
 Connector engine, in order: A (2000 tokens: a miss, saved chunk by chunk through a chunked
 prefill of 512-token steps), A again (a hit of every full 256-token chunk: 1792 tokens), then
@@ -12,41 +13,44 @@ exited, finds A in Redis: its first request promotes the chunks, its second one 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_helpers import SKIP_REASON, VLLM_MISSING
+from vllm_helpers import (
+    CHUNK,
+    COMMON,
+    SKIP_REASON,
+    VLLM_MISSING,
+    assert_same_output,
+    by_event,
+    prompts,
+    read_events,
+)
 
-from kvdepot.integrations.vllm.bench import Child, random_prompt
+from kvdepot.integrations.vllm.bench import Child
 from redis_server import REDIS_SERVER, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON)]
 
-CHUNK = 256
-A = random_prompt(2000, seed=1)
-B = A[:1100] + random_prompt(900, seed=2)
-LOGPROB_TOL = 1e-3  # fp32; the hit computes its tail in one step instead of four chunks
+A, B = prompts()
 
 
 @pytest.fixture(scope="module")
-def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def runs(tiny_model: str, vllm_alone: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("kvdepot-e2e")
     redis = RedisServer(tmp) if REDIS_SERVER else None
     if redis is not None:
         redis.start()
     try:
-        common = {"model": tiny_model, "max_tokens": 8, "max_num_batched_tokens": 512}
+        common = {**COMMON, "model": tiny_model}
         extra = {"chunk_size": CHUNK, "host_capacity_gb": 0.25}
         if redis is not None:
             extra["remote_url"] = redis.url  # the connector engine also writes behind to Redis
-        alone = Child({**common, "prompts": [A, B]})
         with_kv = Child({**common, "prompts": [A, A, B], "connector": True,
                          "extra_config": {**extra, "stats_file": str(tmp / "stats.jsonl")}})
-        base, conn = alone.result(timeout_s=400), with_kv.result(timeout_s=400)
-        out = {"base": base["results"], "conn": conn["results"], "events": read_events(tmp / "stats.jsonl"),
+        base, conn = vllm_alone.results(), with_kv.result(timeout_s=400)
+        out = {"base": base, "conn": conn["results"], "events": read_events(tmp / "stats.jsonl"),
                "log": conn["log"], "second": None}
         if redis is not None:
             # A second vLLM process, empty host memory, the same Redis: A's chunks come from there.
@@ -57,21 +61,6 @@ def runs(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     finally:
         if redis is not None:
             redis.stop()
-
-
-def read_events(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def by_event(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
-    return [e for e in events if e["event"] == name]
-
-
-def assert_same_output(got: dict[str, Any], want: dict[str, Any]) -> None:
-    assert got["token_ids"] == want["token_ids"]
-    assert len(got["logprobs"]) == len(want["logprobs"]) == len(want["token_ids"])
-    for x, y in zip(got["logprobs"], want["logprobs"], strict=True):
-        assert abs(x - y) <= LOGPROB_TOL, (got["logprobs"], want["logprobs"])
 
 
 def test_first_request_is_a_miss_with_vllm_alone_output(runs: dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """``RemoteEngine``: the part of ``CacheEngine``'s surface the adapters use, served by a server.
 
     RemoteEngine(client, pool, tokens_per_block, model_id=, cache_salt=, tp_rank=, tp_size=, mode=)
+    RemoteEngine.for_views(client, views | None, layout, model_id=, ...)   per-layer block views
       ready                                 registered with a live server
       chunk_keys(tokens) / hasher / layout  rank-free keys with the server's chunk size
       probe(keys=, skip_tokens=, lease=rid) -> Hit      LOOKUP (+ QUERY_PREFETCH_STATUS polling)
@@ -9,6 +10,14 @@
       store(None, block_ids, keys=, stream=) -> handle (.done(), .wait(), .chunks)
       retrieve(None, block_ids, keys=, skip_blocks=, num_blocks=, lease=, stream=) -> int
       retrieve_async(...) -> handle (.done(), .result())
+
+Per-layer block views (``transfer.base``: block ``b`` is ``views[0][b] ‖ views[1][b] ‖ …``, e.g.
+vLLM's caches) register the geometry of ``PoolLayout.from_views``; their blocks always travel
+over the socket, gathered in that order. ``views=None`` registers the geometry alone, for a
+scheduler that looks chunks up in another process than the workers that copy them. Protocol v1's
+REGISTER has no layout tag, so a tagged layout's tag travels in the cache salt: the server keeps
+its chunks in a group and key namespace of their own, apart from TensorRT-LLM pools of the same
+geometry.
 
 Failures never raise: a lookup answers 0, a store is skipped (its handle is done at once), a
 retrieve returns ``skip_blocks * tokens_per_block`` (nothing loaded). The client logs one
@@ -27,6 +36,7 @@ have stopped waiting for.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -92,20 +102,35 @@ class RemoteEngine:
     """One worker's pool registered with a kvdepot server; thread-safe like the client."""
 
     def __init__(
-        self, client: DepotClient, pool: torch.Tensor, tokens_per_block: int, *, model_id: str = "",
+        self, client: DepotClient, pool: torch.Tensor | None, tokens_per_block: int, *, model_id: str = "",
         cache_salt: str = "", tp_rank: int = 0, tp_size: int = 1, mode: str = "auto",
         config: DepotConfig | None = None, prefetch_wait_s: float = 0.005,
+        views: Sequence[torch.Tensor] | None = None, layout: PoolLayout | None = None,
     ) -> None:
         self.client, self.pool = client, pool
         self.config = config or load_config()
         self.model_id, self.cache_salt, self.tp_rank, self.tp_size = model_id, cache_salt, tp_rank, tp_size
         self.prefetch_wait_s = prefetch_wait_s
-        self._base = PoolLayout.from_pool(pool, tokens_per_block, tokens_per_block)
-        self.exported = export_pool(pool, mode)
+        if pool is not None:
+            self._base = PoolLayout.from_pool(pool, tokens_per_block, tokens_per_block)
+            self._views = [pool.view(pool.shape[0], -1).view(torch.uint8)]
+            self.exported = export_pool(pool, mode)
+        elif layout is not None:
+            self._base = layout
+            self._views = list(views or [])
+            self.exported = ExportedPool(self._views[0] if self._views else torch.empty(0), p.BytesPool())
+        else:
+            raise ValueError("RemoteEngine needs a pool, or a layout (and optionally its block views)")
         self.layout: PoolLayout | None = None
         self.hasher: ChunkHasher | None = None
         self.granted: p.RegisterReply | None = None
         client.on_connect(self._register)
+
+    @classmethod
+    def for_views(cls, client: DepotClient, views: Sequence[torch.Tensor] | None, layout: PoolLayout,
+                  **kwargs: Any) -> RemoteEngine:
+        """Per-layer block views of ``layout`` (bytes over the socket); ``None``: lookups only."""
+        return cls(client, None, layout.tokens_per_block, views=views, layout=layout, **kwargs)
 
     @property
     def ready(self) -> bool:
@@ -114,6 +139,12 @@ class RemoteEngine:
     @property
     def tokens_per_block(self) -> int:
         return self._base.tokens_per_block
+
+    @property
+    def _wire_salt(self) -> str:
+        """The salt REGISTER carries: a tagged layout's tag rides in it (protocol v1 has no tag field)."""
+        tag = self._base.tag
+        return self.cache_salt if tag == "trtllm" else f"{self.cache_salt}\0tag={tag}"
 
     def _register(self) -> None:
         try:
@@ -124,10 +155,11 @@ class RemoteEngine:
             logger.warning("kvdepot: the server cannot map this %s pool (%s); its blocks travel over the socket",
                            self.exported.kind, exc.message)
             self.exported.close()
-            self.exported = ExportedPool(self.pool, p.BytesPool())
+            self.exported = ExportedPool(self.exported.pool, p.BytesPool())
             reply = self._send_register()
-        layout = PoolLayout.from_pool(self.pool, self.tokens_per_block, reply.chunk_size)
-        ns = p.mp_namespace(self.model_id, layout.dtype_name, layout.geometry, reply.chunk_size, self.tp_size, self.cache_salt)
+        layout = dataclasses.replace(self._base, chunk_size=reply.chunk_size)
+        geometry = dataclasses.replace(layout, tag="trtllm").geometry  # the server's (untagged) view of it
+        ns = p.mp_namespace(self.model_id, layout.dtype_name, geometry, reply.chunk_size, self.tp_size, self._wire_salt)
         hasher = ChunkHasher(ns, reply.hash_algo)
         if hasher.seed != reply.namespace_digest:
             raise Irrecoverable("the server derives chunk keys differently (another kvdepot version?)")
@@ -143,7 +175,7 @@ class RemoteEngine:
             model_id=self.model_id, tp_rank=self.tp_rank, tp_size=self.tp_size, tokens_per_block=base.tokens_per_block,
             num_blocks=base.num_blocks, num_layers=base.num_layers, kv_factor=base.kv_factor,
             block_elems=base.block_elems, dtype=base.dtype_name, bytes_per_block=base.bytes_per_block,
-            pool=self.exported.desc, cache_salt=self.cache_salt,
+            pool=self.exported.desc, cache_salt=self._wire_salt,
         )
         reply, _ = self.client.call(msg, handshake=True)
         assert isinstance(reply, p.RegisterReply)
@@ -240,23 +272,25 @@ class RemoteEngine:
         return self.client.timeout_s + nbytes / 1e9  # bytes-mode payloads: allow ~1 GB/s on top
 
     def _gather(self, ids: list[int], stream: Any) -> memoryview:
-        index = torch.as_tensor(ids, dtype=torch.long, device=self.pool.device)
-        if self.pool.is_cuda:
-            with torch.cuda.stream(stream or torch.cuda.current_stream(self.pool.device)):
-                rows = self.pool.index_select(0, index).cpu()
-        else:
-            rows = self.pool.index_select(0, index)
-        return memoryview(rows.view(torch.uint8).reshape(-1).numpy())
+        """Blocks ``ids`` as one buffer: per block, every view's row in order."""
+        device = self._views[0].device
+        index = torch.as_tensor(ids, dtype=torch.long, device=device)
+        with _on_stream(stream, device):
+            parts = [view.index_select(0, index) for view in self._views]
+            rows = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).cpu()
+        return memoryview(rows.reshape(-1).numpy())
 
     def _scatter(self, ids: list[int], payload: Any, stream: Any) -> None:
-        shape = (len(ids), *self.pool.shape[1:])
-        rows = frame_tensor(payload).view(self.pool.dtype).view(shape)
-        index = torch.as_tensor(ids, dtype=torch.long, device=self.pool.device)
-        if self.pool.is_cuda:
-            with torch.cuda.stream(stream or torch.cuda.current_stream(self.pool.device)):
-                self.pool.index_copy_(0, index, rows.to(self.pool.device))
-        else:
-            self.pool.index_copy_(0, index, rows)
+        device = self._views[0].device
+        rows = frame_tensor(payload).view(len(ids), -1)
+        index = torch.as_tensor(ids, dtype=torch.long, device=device)
+        with _on_stream(stream, device):
+            rows = rows.to(device)
+            offset = 0
+            for view in self._views:
+                width = view.shape[1]
+                view.index_copy_(0, index, rows[:, offset : offset + width])
+                offset += width
 
     def stats(self) -> p.StatsReply | None:
         try:
@@ -269,3 +303,10 @@ class RemoteEngine:
         """Stop re-registering this pool; the client (shared) stays open."""
         self.client.remove_hook(self._register)
         self.exported.close()
+
+
+def _on_stream(stream: Any, device: torch.device) -> Any:
+    """The caller's CUDA stream (else the current one) for copies on ``device``; nothing on CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream or torch.cuda.current_stream(device))

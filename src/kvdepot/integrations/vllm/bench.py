@@ -1,16 +1,19 @@
 """Run real vLLM with and without kvdepot; the harness of the end-to-end tests and the TTFT bench.
 
-    python -m kvdepot.integrations.vllm.bench [--model DIR] [--prompt-tokens 2000] [--repeats 3]
+    python -m kvdepot.integrations.vllm.bench [--model DIR] [--prompt-tokens 2000] [--repeats 3] [--server]
 
 makes a tiny random Llama with ``transformers`` (fixed seed, nothing downloaded) unless
-``--model`` is given, then runs two child processes — vLLM without a connector, and vLLM with
-``KvDepotConnector`` — each serving the same prompt several times with max_tokens=1, vLLM's
-own prefix caching off. It prints time-to-first-token: the connector's first request is a
-miss (compute + save), the later ones hit kvdepot (load + compute the tail).
+``--model`` is given, then runs child processes — vLLM without a connector, vLLM with
+``KvDepotConnector``, and vLLM with its own prefix cache — each serving the same prompt several
+times with max_tokens=1. It prints time-to-first-token: the connector's first request is a miss
+(compute + save), the later ones hit kvdepot (load + compute the tail). ``--server`` starts a
+``kvdepot server`` on a temporary ipc:// socket and runs every child with vLLM's multiprocessing
+on (engine core and worker in their own processes) and the connector in server mode.
 
-``run_child(spec)`` is the child: one ``LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-so the connector runs in-process), the spec's prompts generated one request at a time, in
-order, and per prompt the tokens, their logprobs, vLLM's ``num_cached_tokens`` and the wall time.
+``run_child(spec)`` is the child: one ``LLM`` in this process, the spec's prompts generated one
+request at a time, in order, and per prompt the tokens, their logprobs, vLLM's
+``num_cached_tokens`` and the wall time. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (the connector's
+in-process mode needs it) unless the spec says ``"multiprocessing": true``.
 """
 
 from __future__ import annotations
@@ -110,9 +113,12 @@ class Child:
         self._out = Path(self._tmp.name, "out.json")
         self._log = open(Path(self._tmp.name, "log.txt"), "w+", encoding="utf-8")  # noqa: SIM115 - closed in result()
         spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, **CHILD_ENV}
+        if spec.get("multiprocessing"):  # vLLM's default: engine core and worker in processes of their own
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         self._proc = subprocess.Popen(
             [python or sys.executable, "-m", "kvdepot.integrations.vllm.bench", "--child", str(spec_path), str(self._out)],
-            env={**os.environ, **CHILD_ENV}, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
 
     def result(self, timeout_s: float = 300) -> dict[str, Any]:
@@ -139,27 +145,53 @@ def spawn_child(spec: dict[str, Any], timeout_s: float = 300, python: str | None
     return Child(spec, python).result(timeout_s)
 
 
+def _server(directory: str, chunk_size: int) -> tuple[subprocess.Popen, str]:
+    """``kvdepot server`` on a socket in ``directory``; returns once it listens."""
+    url = f"ipc://{directory}/s.sock"
+    log = Path(directory, "server.log")
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "kvdepot.server", "--url", url, "--chunk-size", str(chunk_size),
+                                 "--host-capacity-gb", "1", "--log-level", "WARNING"], stdout=sink, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while "listening on" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"kvdepot server did not start: {log.read_text()}")
+        time.sleep(0.05)
+    return proc, url
+
+
 def _bench(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory(prefix="kvdepot-bench-") as tmp:
+    # NOTE: a short directory: an ipc:// socket path has at most 107 bytes.
+    with tempfile.TemporaryDirectory(prefix="kvdepot-bench-", dir="/tmp" if args.server else None) as tmp:
         model = args.model or make_tiny_llama(Path(tmp, "model"))
         prompt = random_prompt(args.prompt_tokens, seed=7)
         spec = {
-            "model": model, "prompts": [prompt] * (1 + args.repeats), "max_tokens": 1,
+            "model": model, "prompts": [prompt] * (1 + args.repeats), "max_tokens": 1, "multiprocessing": args.server,
             "warmup": [random_prompt(args.prompt_tokens, seed=8)], "max_num_batched_tokens": args.max_num_batched_tokens,
         }
-        stats = str(Path(tmp, "stats.jsonl"))
-        # One after the other: two engines at once would share the 2 cores and skew the times.
-        base = spawn_child(spec)
-        with_kv = spawn_child({**spec, "connector": True, "extra_config": {"chunk_size": args.chunk_size, "stats_file": stats}})
-        device = spawn_child({**spec, "prefix_caching": True})  # reference: vLLM's own prefix cache
+        extra: dict[str, Any] = {"chunk_size": args.chunk_size, "stats_file": str(Path(tmp, "stats.jsonl"))}
+        server = None
+        if args.server:
+            server, extra["server_url"] = _server(tmp, args.chunk_size)
+        try:
+            # One after the other: two engines at once would share the cores and skew the times.
+            base = spawn_child(spec)
+            with_kv = spawn_child({**spec, "connector": True, "extra_config": extra})
+            device = spawn_child({**spec, "prefix_caching": True})  # reference: vLLM's own prefix cache
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(10)
     b = [r["seconds"] * 1e3 for r in base["results"]]
     k = [r["seconds"] * 1e3 for r in with_kv["results"]]
     d = [r["seconds"] * 1e3 for r in device["results"]]
     hit = with_kv["results"][1]["num_cached_tokens"]
     dev_hit = device["results"][1]["num_cached_tokens"]
     med = statistics.median
-    print(f"prompt {args.prompt_tokens} tokens, chunk {args.chunk_size}, max_num_batched_tokens {args.max_num_batched_tokens}; "
-          f"TTFT in ms = generate() with max_tokens=1; median of {args.repeats} repeats after one first request")
+    mode = "server mode, vLLM multiprocessing on" if args.server else "in-process mode, vLLM multiprocessing off"
+    print(f"prompt {args.prompt_tokens} tokens, chunk {args.chunk_size}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+          f"{mode}; TTFT in ms = generate() with max_tokens=1; median of {args.repeats} repeats after one first request")
     print(f"  vLLM alone, no prefix cache       : {med(b[1:]):8.1f}   (first request {b[0]:.1f})")
     print(f"  + kvdepot, miss (compute + save)  : {k[0]:8.1f}")
     print(f"  + kvdepot, hit ({hit:>4} tokens)     : {med(k[1:]):8.1f}")
@@ -175,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk-size", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--server", action="store_true",
+                        help="through a kvdepot server it starts, vLLM's multiprocessing on (server mode)")
     args = parser.parse_args(argv)
     if args.child:
         spec = json.loads(Path(args.child[0]).read_text())

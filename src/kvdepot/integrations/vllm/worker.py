@@ -1,0 +1,223 @@
+"""The connector's worker role, in-process mode: the process's engine over vLLM's layer caches.
+
+    register(kv_caches)       register_kv_caches: per-layer block views -> the process's engine
+    preempted(meta)           handle_preemptions: wait for a preempted request's saves
+    start_load(meta)          start_load_kv: apply the step's deltas, run its loads (synchronous)
+    save(meta)                wait_for_save: store every chunk computed by now (later prefill chunks
+                              too); on CUDA the copy is queued behind the forward pass
+    finished(ids) -> ids      get_finished: each delayed request once, after its saves
+    take_load_errors()        get_block_ids_with_load_errors: blocks a load could not fill
+
+Server mode (``server_mode.RemoteWorker``) subclasses it: the engine is a ``RemoteEngine``
+registered with the server (``_attach``), and loads name the scheduler's lease (``_lease``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvdepot.integrations.vllm.common import Setup, logger
+from kvdepot.integrations.vllm.layout import get_or_create_engine, views_from_kv_caches
+from kvdepot.integrations.vllm.metadata import KvDepotVllmMetadata, VllmRequestMeta
+from kvdepot.layout import PoolLayout
+
+
+@dataclass
+class WorkerRequest:
+    keys: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # chunks already handed to engine.store
+    delayed: bool = False  # the scheduler told us to save: it returns True from request_finished
+    handles: list[Any] = field(default_factory=list)  # store handles: .done(), .wait(), .chunks
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
+    except Exception:  # noqa: BLE001 - no TP group (tests, single process)
+        return 0, 1
+
+
+class Worker:
+    def __init__(self, setup: Setup) -> None:
+        self._setup = setup
+        self._engine: Any = None  # CacheEngine here; RemoteEngine in server mode
+        self._layout: PoolLayout | None = None
+        self._requests: dict[str, WorkerRequest] = {}
+        self._finishing: set[str] = set()
+        self._load_errors: set[int] = set()
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        if self._setup.group is None:
+            return
+        spec, layer_names = self._setup.group
+        kv_cache_config = self._setup.kv_cache_config
+        names, views = views_from_kv_caches(kv_caches, int(kv_cache_config.num_blocks), layer_names)
+        vllm_config = self._setup.vllm_config
+        kv_layout = (getattr(kv_cache_config, "kv_cache_layout", None)
+                     or getattr(vllm_config.cache_config, "kv_cache_layout", None) or "default")
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        kv_factor = 1 if isinstance(spec, MLAAttentionSpec) else 2
+        layout = PoolLayout.from_views(
+            views, spec.dtype, int(spec.block_size), self._setup.config.chunk_size, kv_factor=kv_factor,
+            tag=f"vllm:{self._backend_name(names[0])}:{kv_layout}",
+        )
+        self._engine, self._layout = self._attach(views, layout), layout
+        self._requests.clear()
+        self._setup.stats.write("register", layers=len(views), num_blocks=layout.num_blocks, tag=layout.tag,
+                                bytes_per_block=layout.bytes_per_block, chunk_size=layout.chunk_size)
+
+    def _attach(self, views: list[Any], layout: PoolLayout) -> Any:
+        rank, size = tp_rank_and_size()
+        engine = get_or_create_engine(views, layout, self._setup.config, tp_rank=rank, tp_size=size)
+        logger.info(
+            "kvdepot: engine ready (%d layer views of %d blocks x %d B, %s, chunk %d tokens, host %d chunks)",
+            len(views), layout.num_blocks, views[0].shape[1], layout.tag, layout.chunk_size, engine.host.num_slots,
+        )
+        return engine
+
+    def _backend_name(self, layer_name: str) -> str:
+        ctx = getattr(self._setup.vllm_config.compilation_config, "static_forward_context", {}) or {}
+        backend = getattr(ctx.get(layer_name), "attn_backend", None)
+        try:
+            return str(backend.get_name()) if backend is not None else "unknown"
+        except Exception:  # pragma: no cover - a backend without a name
+            return "unknown"
+
+    def _lease(self, rid: str) -> Hashable:
+        return rid
+
+    def _new_chunks(self, handle: Any) -> int | None:
+        """Chunks a store added, for the stats file (known at once in-process)."""
+        return handle.chunks
+
+    def _stats(self) -> dict[str, Any]:
+        return asdict(self._engine.stats())
+
+    # ---- per step ------------------------------------------------------------------------
+    def preempted(self, meta: KvDepotVllmMetadata) -> None:
+        """vLLM frees a preempted request's blocks: its saves must be done reading them first."""
+        for rid in meta.preempted:
+            state = self._requests.pop(rid, None)
+            if state is not None:
+                for handle in state.handles:
+                    handle.wait()
+            self._finishing.discard(rid)
+
+    def start_load(self, meta: KvDepotVllmMetadata) -> None:
+        if self._engine is None:
+            return
+        for item in meta.requests:
+            state = self._requests.get(item.request_id)
+            if item.reset or state is None:
+                if state is not None:
+                    for handle in state.handles:
+                        handle.wait()
+                state = self._requests[item.request_id] = WorkerRequest()
+            state.keys.extend(item.new_keys)
+            state.block_ids.extend(item.new_block_ids)
+            if item.save_upto_chunks:
+                state.delayed = True
+            if item.load_num_blocks:
+                self._load(item, state)
+
+    def _load(self, item: VllmRequestMeta, state: WorkerRequest) -> None:
+        engine = self._engine
+        B, bpc = engine.layout.tokens_per_block, engine.layout.blocks_per_chunk
+        skip, num = item.load_skip_blocks, item.load_num_blocks
+        end = skip + num
+        # Keys only as far as the load reaches: vLLM allocates blocks for this step's tokens,
+        # not for the whole prompt, and the engine checks keys against the block list.
+        chunks = min(-(-end // bpc), len(state.keys), len(state.block_ids) // bpc)
+        got_tokens = skip * B
+        started = time.perf_counter()
+        if chunks * bpc > skip:
+            got_tokens = engine.retrieve(
+                None, state.block_ids[: chunks * bpc], keys=state.keys[:chunks], skip_blocks=skip,
+                num_blocks=min(num, chunks * bpc - skip), lease=self._lease(item.request_id),
+            )
+        else:
+            self._release(item.request_id)
+        got = got_tokens // B
+        state.saved = max(state.saved, min(got // bpc, len(state.keys)))  # loaded chunks are cached already
+        if got < end:  # a lease expired before the load: never silent, vLLM recomputes or fails
+            self._report_load_error(item, state, got)
+        self._setup.stats.write("load", req=item.request_id, skip_blocks=skip, blocks=max(0, got - skip), wanted=num,
+                                ms=round((time.perf_counter() - started) * 1e3, 3))
+
+    def _release(self, rid: str) -> None:
+        self._engine.release(self._lease(rid))
+
+    def _report_load_error(self, item: VllmRequestMeta, state: WorkerRequest, got: int) -> None:
+        end = item.load_skip_blocks + item.load_num_blocks
+        missing = state.block_ids[max(got, item.load_skip_blocks) : end]
+        self._load_errors.update(missing)
+        logger.error("kvdepot: req=%s loaded %d of %d blocks; reporting %d as load errors",
+                     item.request_id, max(0, got - item.load_skip_blocks), item.load_num_blocks, len(missing))
+
+    def save(self, meta: KvDepotVllmMetadata) -> None:
+        """Copy this step's newly computed chunks out; on CUDA, enqueued behind the forward pass."""
+        if self._engine is None:
+            return
+        bpc = self._engine.layout.blocks_per_chunk
+        for item in meta.requests:
+            state = self._requests.get(item.request_id)
+            if state is None or item.save_upto_chunks <= state.saved:
+                continue
+            first, upto = state.saved, min(item.save_upto_chunks, len(state.keys), len(state.block_ids) // bpc)
+            if upto <= first:
+                continue
+            started = time.perf_counter()
+            handle = self._engine.store(None, state.block_ids[first * bpc : upto * bpc], keys=state.keys[first:upto])
+            state.saved = upto
+            state.handles.append(handle)
+            self._setup.stats.write("store", req=item.request_id, first_chunk=first, upto_chunk=upto,
+                                    new_chunks=self._new_chunks(handle), ms=round((time.perf_counter() - started) * 1e3, 3))
+
+    def finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Each request whose request_finished returned True, once, when its stores completed."""
+        for rid in finished_req_ids:
+            state = self._requests.get(rid)
+            if state is None:
+                continue
+            if state.delayed:
+                # Its last save was enqueued a step or more ago: waiting here is short, and
+                # reporting now frees the blocks even if vLLM goes idle after this step.
+                for handle in state.handles:
+                    handle.wait()
+                self._finishing.add(rid)
+            else:
+                del self._requests[rid]
+        done = set()
+        for rid in list(self._finishing):
+            state = self._requests.get(rid)
+            if state is None or all(h.done() for h in state.handles):
+                done.add(rid)
+                self._finishing.discard(rid)
+                self._requests.pop(rid, None)
+        if done and self._engine is not None and self._setup.stats.path:
+            self._setup.stats.write("finished", req=sorted(done), stats=self._stats())
+        return done or None
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def handshake(self) -> Any:
+        """What the scheduler must learn from this worker (vLLM's handshake metadata); none here."""
+        return None
+
+    def shutdown(self) -> None:
+        """vLLM is closing this worker: finish copies and drain write-behind to disk/Redis."""
+        if self._engine is not None:
+            self._engine.close()
+            self._setup.stats.write("shutdown", stats=self._stats())
