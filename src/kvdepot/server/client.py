@@ -6,6 +6,7 @@
       .on_connect(fn) / .remove_hook(fn)           replayed after every HELLO (e.g. REGISTER)
       .ready / .session_id / .close()
     print_stats(url) -> exit code                  ``kvdepot stats``
+    send_frames / recv_frames / readable           non-blocking framing on a shared socket (server too)
 
 One DEALER socket per client, shared by the threads that use it under a lock that is held only
 for non-blocking socket operations. No hand-off between threads on a call: the calling thread
@@ -16,9 +17,10 @@ settles every call whose reply it finds, and wakes that call's waiting thread th
 per-thread pipe (the fd will not signal that reply a second time). Replies are matched by
 request id, so a late reply is simply dropped (a REQ socket would be stuck after a timeout).
 
-Rule of the shared socket: every holder of the lock drains (non-blocking receives until EAGAIN)
-before it lets go, since any ZMQ operation may consume the fd's readiness; after that drain the
-fd turns readable on the next arrival, so no reply waits unseen by a thread polling the fd.
+Rule of the shared socket: every holder of the lock drains before it lets go (receives until
+``ZMQ_EVENTS``, which processes pending commands, shows nothing to read), since any ZMQ call may
+consume the fd's readiness; after that the fd turns readable on the next arrival, so no reply
+waits unseen by a thread polling the fd.
 
 An I/O thread ticks every 50 ms (at once when woken): it offers again what ZMQ could not take
 (no live connection yet: with ZMQ_IMMEDIATE nothing queues inside ZMQ for a dead peer), drains
@@ -204,8 +206,6 @@ class DepotClient:
             local.poller = select.poll()
             local.poller.register(self._fd, select.POLLIN)
             local.poller.register(local.wake_r, select.POLLIN)
-        with contextlib.suppress(BlockingIOError):
-            os.read(local.wake_r, 64)  # a stale wake-up would only cost a spin
         with self._calls_lock:
             self._waiters += 1
         # Set before looking at the future: a thread that settles it from now on writes the pipe.
@@ -289,13 +289,13 @@ class DepotClient:
                 live = req_id in self._calls
             if live:
                 try:
-                    sock.send_multipart(frames, zmq.NOBLOCK, copy=len(frames) <= 2)  # zero-copy for payloads
+                    send_frames(sock, frames, 2)  # header, body: copied; payloads: zero-copy
                 except zmq.Again:
                     break
             self._unsent.popleft()
         # Until ZMQ_EVENTS (which processes pending commands) shows nothing more to read: from
         # then on the fd signals the next arrival.
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while readable(sock):
             self._deliver(recv_frames(sock, 2))
 
     def _deliver(self, frames: list[p.Buffer]) -> None:
@@ -423,12 +423,31 @@ class DepotClient:
         self._ctx.term()
 
 
+# ---- frames on a shared socket (also the server's) ----------------------------------------------
+# Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
+_NOBLOCK, _SNDMORE, _RCVMORE, _EVENTS, _POLLIN = (int(c) for c in (zmq.NOBLOCK, zmq.SNDMORE, zmq.RCVMORE,
+                                                                   zmq.EVENTS, zmq.POLLIN))
+
+
+def readable(sock: zmq.Socket) -> bool:
+    """ZMQ_EVENTS has POLLIN; reading the option processes pending commands (the fd's signal)."""
+    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
+
+
+def send_frames(sock: zmq.Socket, frames: Sequence[p.Buffer], small: int) -> None:
+    """Send one message without blocking; a message of at most ``small`` frames (no payloads) is
+    copied, cheaper than zero-copy frames for a few bytes. ``zmq.Again`` if ZMQ cannot take it."""
+    copy, last = len(frames) <= small, len(frames) - 1
+    for i, frame in enumerate(frames):
+        sock.send(frame, _NOBLOCK | (_SNDMORE if i < last else 0), copy=copy)
+
+
 def recv_frames(sock: zmq.Socket, small: int) -> list[p.Buffer]:
     """One whole message, received without blocking (ZMQ delivers all parts at once): its first
-    ``small`` frames as bytes (cheaper than zero-copy frames for a few bytes), the rest zero-copy."""
-    frames: list[p.Buffer] = [sock.recv(zmq.NOBLOCK)]
-    while sock.getsockopt(zmq.RCVMORE):
-        frames.append(sock.recv(zmq.NOBLOCK) if len(frames) < small else sock.recv(zmq.NOBLOCK, copy=False).buffer)
+    ``small`` frames as bytes, the rest (payloads) zero-copy."""
+    frames: list[p.Buffer] = [sock.recv(_NOBLOCK)]
+    while sock.getsockopt(_RCVMORE):
+        frames.append(sock.recv(_NOBLOCK) if len(frames) < small else sock.recv(_NOBLOCK, copy=False).buffer)
     return frames
 
 

@@ -14,7 +14,9 @@ The socket is shared the way the client shares its own: every use is non-blockin
 lock; the loop sleeps in ``poll`` on the socket's notification fd (``ZMQ_FD``) and a wake-up
 pipe, never on the socket. Any ZMQ operation may consume the fd's readiness, so a worker that
 has sent a reply checks ``ZMQ_EVENTS`` and wakes the loop if a request is waiting unread, and
-the loop reads until EAGAIN (or, after a batch, goes round again without sleeping).
+the loop reads until ``ZMQ_EVENTS`` shows nothing (or, after a batch of 256, goes round again
+without sleeping). ``serve_forever`` (the ``kvdepot server`` process) freezes the start-up heap
+for the garbage collector.
 
 One server per URL: an ipc:// server holds an exclusive lock on ``<socket>.lock`` for its
 life (a second one fails at once, naming the first one's pid); a TCP server fails on bind.
@@ -40,7 +42,7 @@ from kvdepot.config import DepotConfig, load_config
 from kvdepot.errors import KVDepotError
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
-from kvdepot.server.client import recv_frames
+from kvdepot.server.client import readable, recv_frames, send_frames
 from kvdepot.server.metrics import start_metrics
 from kvdepot.server.paths import check_url, default_url, ipc_path
 from kvdepot.server.service import DepotService
@@ -228,7 +230,7 @@ class DepotServer:
             with self._sock_lock:
                 # ZMQ_EVENTS processes pending commands: once it shows nothing to read, the fd
                 # signals the next request.
-                if not self._router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not readable(self._router):
                     return False
                 try:
                     frames = recv_frames(self._router, 3)  # peer, header, body; payloads zero-copy
@@ -293,7 +295,7 @@ class DepotServer:
             if router is None:
                 return False
             try:
-                router.send_multipart([peer, *frames], zmq.NOBLOCK, copy=len(frames) <= 2)
+                send_frames(router, [peer, *frames], 3)  # peer, header, body: copied; payloads: zero-copy
             except zmq.ZMQError as exc:  # the peer is gone or not reading: its reply is dropped
                 logger.debug("kvdepot server: reply to %r dropped: %s", peer, exc)
-            return check and bool(router.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            return check and readable(router)
