@@ -57,6 +57,8 @@ from kvdepot.server.ipc import ExportedPool, export_pool, frame_tensor
 
 logger = logging.getLogger("kvdepot")
 
+REGISTER_TIMEOUT_S = 60.0
+
 
 class _Handle:
     """A copy in flight: ``done()`` once the server answered (or the call failed)."""
@@ -177,7 +179,9 @@ class RemoteEngine:
             block_elems=base.block_elems, dtype=base.dtype_name, bytes_per_block=base.bytes_per_block,
             pool=self.exported.desc, cache_salt=self._wire_salt,
         )
-        reply, _ = self.client.call(msg, handshake=True)
+        # NOTE: once per start-up, and slow on a cold server (CUDA init, opening the IPC handle,
+        # measured > 2 s on the H200): give it more than an ordinary call's timeout.
+        reply, _ = self.client.call(msg, handshake=True, timeout=max(self.client.timeout_s, REGISTER_TIMEOUT_S))
         assert isinstance(reply, p.RegisterReply)
         return reply
 
