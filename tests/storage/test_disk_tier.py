@@ -6,6 +6,7 @@ import mmap
 import os
 import struct
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -42,10 +43,20 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_pa
     return request.param
 
 
+@pytest.fixture(params=["inline", "overlap"])
+def overlap(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """inline: puts checksum the test's payloads before writing them. overlap: on a helper thread
+    while the payload is written, the header block last (what a chunk over ``OVERLAP`` bytes gets)."""
+    if request.param == "overlap":
+        monkeypatch.setattr(disk, "OVERLAP", 2 * disk.ALIGN)
+    return disk.OVERLAP
+
+
 def make(tmp_path: Path, mode: str, capacity: int = 10**8, ns: bytes = NS) -> DiskTier:
     return DiskTier(tmp_path / "disk", capacity, ns, o_direct=mode != "buffered")
 
 
+@pytest.mark.usefixtures("overlap")
 def test_round_trip(tmp_path: Path, mode: str) -> None:
     tier = make(tmp_path, mode)
     expected = {"buffered": False, "direct": disk.probe_o_direct(tmp_path), "emulated": True}[mode]
@@ -248,17 +259,18 @@ def test_bad_namespace_is_refused(tmp_path: Path) -> None:
         DiskTier(tmp_path, 100, b"short")
 
 
+@pytest.mark.usefixtures("overlap")
 def test_concurrent_puts_and_gets_stay_within_capacity(tmp_path: Path) -> None:
-    tier = make(tmp_path, "buffered", capacity=8 * (disk.OFFSET + 2000))
+    tier = make(tmp_path, "buffered", capacity=8 * (disk.OFFSET + 20_000))
     errors: list[BaseException] = []
 
     def work(offset: int) -> None:
         try:
             for i in range(40):
                 k = (offset + i) % 24
-                tier.put(key(k), payload(k, 2000))
+                tier.put(key(k), payload(k, 20_000))
                 got = tier.get(key((k + 3) % 24))
-                assert got is None or got == payload((k + 3) % 24, 2000)
+                assert got is None or got == payload((k + 3) % 24, 20_000)
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -273,6 +285,7 @@ def test_concurrent_puts_and_gets_stay_within_capacity(tmp_path: Path) -> None:
     assert len(files(tier)) == s.chunks
 
 
+@pytest.mark.usefixtures("overlap")
 def test_short_reads_and_writes_are_resumed(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Linux moves at most ~2 GiB per syscall: emulate that limit at a few KiB (whole blocks when
     the file is opened with O_DIRECT, as the kernel's limit is)."""
@@ -304,6 +317,7 @@ def aligned_buffer(n: int, skew: int = 0) -> memoryview:
 
 
 @pytest.mark.parametrize("skew", [0, 8], ids=["aligned", "unaligned"])
+@pytest.mark.usefixtures("overlap")
 def test_get_into_a_caller_buffer(tmp_path: Path, mode: str, skew: int) -> None:
     tier = make(tmp_path, mode)
     for i, n in enumerate(SIZES):
@@ -337,6 +351,7 @@ def test_get_returns_a_read_only_view_of_new_memory(tmp_path: Path, mode: str) -
     assert first == second and first.obj is not second.obj
 
 
+@pytest.mark.usefixtures("overlap")
 def test_file_layout(tmp_path: Path, mode: str) -> None:
     """Header, zeros to 4 KiB, the payload at 4096: the same bytes whatever the I/O mode."""
     tier = make(tmp_path, mode)
@@ -367,3 +382,38 @@ def test_aligned_sources_and_destinations_take_no_bounce_copy(tmp_path: Path, mo
     assert hasattr(tier._local, "bounce") is tier.o_direct
     tier.close()
     assert not hasattr(tier._local, "bounce") and not hasattr(tier._local, "blocks")
+
+
+def test_close_stops_the_helpers_and_the_tier_still_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(disk, "OVERLAP", 2 * disk.ALIGN)
+    tier = make(tmp_path, "buffered")
+    assert tier.put(key(1), payload(1, 50_000))
+    helpers = tier._helpers
+    assert helpers is not None
+    tier.close()
+    assert tier._helpers is None and helpers._shutdown
+    assert tier.put(key(2), payload(2, 50_000)) and tier.get(key(2)) == payload(2, 50_000)
+    tier.close()
+
+
+@pytest.mark.usefixtures("overlap")
+def test_a_failed_write_waits_for_its_checksum_and_leaves_nothing(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tier = make(tmp_path, mode)
+    real_pwritev, real_header, done = os.pwritev, codec.encode_header, []
+
+    def full(fd: int, parts: list[memoryview], at: int) -> int:
+        raise OSError(28, "No space left on device")
+
+    def slow_header(*args: object, **kwargs: object) -> bytes:
+        time.sleep(0.05)
+        done.append(real_header(*args, **kwargs))
+        return done[-1]
+
+    monkeypatch.setattr(disk.os, "pwritev", full)
+    monkeypatch.setattr(codec, "encode_header", slow_header)
+    assert not tier.put(key(1), aligned_buffer(50_000))
+    assert len(done) == 1  # put returned only once nothing read the caller's buffer any more
+    monkeypatch.setattr(disk.os, "pwritev", real_pwritev)
+    s = tier.stats()
+    assert (s.dropped, s.chunks, s.used_bytes) == (1, 0, 0) and files(tier) == []
+    assert tier.put(key(1), payload(1, 50_000)) and tier.get(key(1)) == payload(1, 50_000)

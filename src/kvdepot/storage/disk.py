@@ -9,12 +9,16 @@
 * **Capacity.** Bytes of committed objects plus writes in flight never exceed ``capacity_bytes``;
   room is made by evicting least recently used objects (``policy.LRUPolicy``).
 * **O_DIRECT** when the directory's filesystem takes it (probed once with an aligned write), so
-  gigabytes of KV do not churn the page cache; otherwise (tmpfs, non-Linux) buffered I/O. An
-  object's header fills its first 4 KiB block (``codec.FLAG_ALIGNED``), so the payload sits at an
+  gigabytes of KV do not churn the page cache; otherwise (tmpfs before Linux 6.6, non-Linux)
+  buffered I/O. An object's header fills its first 4 KiB block (``codec.FLAG_ALIGNED``), so the payload sits at an
   aligned offset and moves straight between the file and an aligned caller buffer (a host-arena
   slot) in one ``pwritev``/``preadv`` with the header block: no copy of the payload either way.
 * **Reads into the caller's memory.** ``get_into(key, out)`` fills a buffer the caller reuses
   (no page faults of fresh memory); ``get(key)`` returns new memory.
+* **One checksum pass.** A write sends a payload over ``OVERLAP`` bytes to the file while a
+  helper thread computes its header (xxhash releases the GIL), then writes the header block; a read
+  checksums the payload where it landed, after one ``preadv`` (reading in pieces to checksum each
+  while the next one is read was slower on the dev machine than the checksum it hid).
 
 Thread-safe: an index lock is held for bookkeeping only, never across file I/O.
 """
@@ -28,6 +32,7 @@ import os
 import threading
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import suppress
 from pathlib import Path
 
@@ -44,6 +49,7 @@ logger = logging.getLogger("kvdepot")
 O_DIRECT = getattr(os, "O_DIRECT", 0)  # module attribute so tests can emulate the aligned path
 ALIGN = 4096  # O_DIRECT offset/length/buffer alignment (a multiple of every logical block size)
 OFFSET = codec.ALIGNED_OFFSET  # where the payload of every disk object starts (one aligned block)
+OVERLAP = 4 << 20  # a longer payload is checksummed on a helper thread while it is written
 
 
 def _align(n: int) -> int:
@@ -58,6 +64,12 @@ def _is_aligned(view: memoryview) -> bool:
 def _fresh(n: int) -> memoryview:
     """``n`` bytes of new page-aligned memory (the kernel faults its pages in as it reads)."""
     return memoryview(mmap.mmap(-1, _align(n) or ALIGN))[:n]
+
+
+def _write_at(fd: int, views: list[memoryview], offset: int) -> None:
+    total = sum(view.nbytes for view in views)
+    if _transfer(os.pwritev, fd, views, offset, total) < total:
+        raise OSError(errno.EIO, "short write")
 
 
 def probe_o_direct(directory: str | os.PathLike[str]) -> bool:
@@ -137,6 +149,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._local = threading.local()  # per-thread aligned buffers for O_DIRECT
         self._io_failing = False
+        self._helpers: ThreadPoolExecutor | None = None  # checksums that overlap writes
         self._stats = TierStats(name=self.name, capacity_bytes=self.capacity_bytes)
         self._scan()
 
@@ -281,10 +294,20 @@ class DiskTier:
             return TierStats(**vars(self._stats))
 
     def close(self) -> None:
-        """Nothing stays open between calls; drop this thread's aligned buffers."""
+        """Stop the checksum helpers (after the calls in flight); drop this thread's buffers."""
+        with self._lock:
+            helpers, self._helpers = self._helpers, None
+        if helpers is not None:
+            helpers.shutdown(wait=True)
         for name in ("blocks", "bounce"):
             with suppress(AttributeError):
                 delattr(self._local, name)
+
+    def _helper(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._helpers is None:
+                self._helpers = ThreadPoolExecutor(4, thread_name_prefix="kvdepot-disk-checksum")
+            return self._helpers
 
     # ---- file I/O ----------------------------------------------------------------------------
     def _blocks(self) -> memoryview:
@@ -306,11 +329,10 @@ class DiskTier:
     def _write(self, key: ChunkKey, data: memoryview) -> bool:
         path = self._path(key)
         tmp = os.path.join(os.path.dirname(path), f".{key.hex()}.{uuid.uuid4().hex[:8]}.tmp")
-        head = codec.encode_header(self.namespace, key, data, aligned=True)  # the one checksum pass
         try:
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             try:
-                self._write_file(tmp, head, data, self.o_direct)
+                self._write_file(tmp, key, data, self.o_direct)
             except OSError as exc:
                 if not (self.o_direct and exc.errno == errno.EINVAL):
                     raise
@@ -318,7 +340,7 @@ class DiskTier:
                 self.o_direct = False
                 with suppress(FileNotFoundError):
                     os.unlink(tmp)
-                self._write_file(tmp, head, data, False)
+                self._write_file(tmp, key, data, False)
             os.replace(tmp, path)
             if self.fsync:
                 dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)
@@ -336,33 +358,41 @@ class DiskTier:
         self._io_failing = False
         return True
 
-    def _write_file(self, tmp: str, head: bytes, data: memoryview, direct: bool) -> None:
-        n = data.nbytes
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0)
-        fd = os.open(tmp, flags, 0o600)
+    def _write_file(self, tmp: str, key: ChunkKey, data: memoryview, direct: bool) -> None:
+        """Header block and payload; a long payload is written first, at ``OFFSET``, while a helper
+        computes the header (the one checksum pass), which follows at 0."""
+        n, blocks, header = data.nbytes, self._blocks(), None
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | (O_DIRECT if direct else 0), 0o600)
         try:
+            if n > OVERLAP:
+                header = self._helper().submit(codec.encode_header, self.namespace, key, data, True)
+            cut = n - n % ALIGN
             if not direct:
-                parts = [memoryview(head), data]  # one syscall, no joined copy
+                body = [data]  # one syscall with the header block, no joined copy
             elif _is_aligned(data):  # e.g. a host-arena slot: the payload goes straight to the file
-                blocks, cut = self._blocks(), n - n % ALIGN
-                blocks[:ALIGN] = head
-                parts = [blocks[:ALIGN], data[:cut]]
+                body = [data[:cut]]
                 if cut < n:  # the last partial block, padded (truncated away below)
                     blocks[ALIGN : ALIGN + n - cut] = data[cut:]
-                    parts.append(blocks[ALIGN:])
+                    body.append(blocks[ALIGN:])
             else:  # NOTE: one copy into an aligned buffer (see docs/tiers.md for the measurements)
-                buf = self._bounce(OFFSET + n)
-                buf[:OFFSET] = head
-                buf[OFFSET : OFFSET + n] = data
-                parts = [buf[: _align(OFFSET + n)]]
-            total = sum(part.nbytes for part in parts)
-            if _transfer(os.pwritev, fd, parts, 0, total) < total:
-                raise OSError(errno.EIO, "short write")
-            if total != OFFSET + n:
+                buf = self._bounce(n)
+                buf[:n] = data
+                body = [buf[: _align(n)]]
+            end, block = OFFSET + sum(part.nbytes for part in body), blocks[:ALIGN]
+            if header is None:
+                block[:] = codec.encode_header(self.namespace, key, data, aligned=True)
+                _write_at(fd, [block, *body], 0)
+            else:
+                _write_at(fd, body, OFFSET)
+                block[:] = header.result()
+                _write_at(fd, [block], 0)
+            if end != OFFSET + n:
                 os.ftruncate(fd, OFFSET + n)
             if self.fsync:
                 os.fsync(fd)
         finally:
+            if header is not None:
+                wait([header])  # never return while a helper still reads the caller's buffer
             os.close(fd)
 
     def _read(self, key: ChunkKey, out: memoryview | None) -> tuple[memoryview | None, bool]:
