@@ -18,7 +18,7 @@ from kvdepot.errors import ConfigError
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
 from kvdepot.storage.base import TierStats
-from kvdepot.storage.disk import DiskTier
+from kvdepot.storage.disk import OFFSET, DiskTier
 from kvdepot.storage.manager import SecondHit, TierManager, TierSizes, size_tiers
 from kvdepot.storage.redis_tier import RedisTier
 
@@ -274,6 +274,8 @@ def test_size_tiers() -> None:
     sizes = size_tiers(bytes_per_block=1_000_000, host_capacity_gb=1.0, disk_capacity_gb=2.5, blocks_per_chunk=4)
     assert sizes == TierSizes(1_000_000, 4, host_chunks=250, disk_chunks=624, num_host_blocks=1000, num_disk_blocks=2496)
     assert size_tiers(4096, 0, 0, 16).num_disk_blocks == 0
+    small = size_tiers(4096, 0, 0.001, 1)  # a disk file is its 4 KiB header block + the payload
+    assert small.disk_chunks == 10**6 // (4096 + OFFSET) == 122
     with pytest.raises(ConfigError):
         size_tiers(0, 1, 1, 1)
     with pytest.raises(ConfigError):
