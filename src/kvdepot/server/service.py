@@ -323,7 +323,7 @@ class DepotService:
                             len(sessions), mappings, prefetches, shards)
 
 
-class _WouldBlock(Exception):  # noqa: N818 - a signal between try_inline and its handlers, not an error
+class _WouldBlock(Exception):  # a signal between try_inline and its handlers, not an error
     """The operation cannot finish without waiting: run it on the pool instead."""
 
 
