@@ -25,7 +25,7 @@ for step in $steps; do
     ttft) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --plot "$OUT/ttft.png" --json "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.txt" ;;
     ttft4k) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --lengths 4096 2>&1 | tee "$OUT/ttft4k.txt" ;;
     mp) { python3 -m kvdepot.cli bench mp --lookups 5000
-          python3 -m kvdepot.cli bench mp --blocks 256 --lookups 500
+          python3 -m kvdepot.cli bench mp --blocks 64 --lookups 500
         } 2>&1 | tee "$OUT/mp.txt" ;;
     tiers) mkdir -p /tmp/kvd-disk; df -T /tmp/kvd-disk | tail -1
            python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/tiers.txt" ;;
