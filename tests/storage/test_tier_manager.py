@@ -1,5 +1,5 @@
-"""TierManager: find across tiers, promotion through a sink, the write-behind queue, admission,
-shutdown; and the leader's tier sizing. The remote tier is an in-memory fake whose writes can be
+"""TierManager: find across tiers, promotion into reserved targets (and, through ``Promotions``,
+into host slots), the write-behind queue, admission, shutdown; and the leader's tier sizing. The remote tier is an in-memory fake whose writes can be
 held until the test says so (and one test runs against a real redis-server)."""
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
 from kvdepot.storage.base import TierStats
 from kvdepot.storage.disk import OFFSET, DiskTier
+from kvdepot.storage.host import HostTier
 from kvdepot.storage.manager import SecondHit, TierManager, TierSizes, size_tiers
+from kvdepot.storage.promotions import Promotions
 from kvdepot.storage.redis_tier import RedisTier
 
 if TYPE_CHECKING:
@@ -92,15 +94,28 @@ def make(disk: DiskTier) -> Iterator[Callable[..., TierManager]]:
 
 
 class Sink:
-    def __init__(self, refuse_at: int | None = None) -> None:
-        self.got: list[tuple[ChunkKey, bytes]] = []
-        self.refuse_at = refuse_at
+    """Promotion targets in plain memory: ``got`` = (key, bytes) committed, ``freed`` = keys whose
+    read failed; refuses the target after ``refuse_at`` commits; ``present`` keys are there already."""
 
-    def __call__(self, key: ChunkKey, data: bytes) -> bool:
+    def __init__(self, refuse_at: int | None = None, size: int = 512, present: Sequence[ChunkKey] = ()) -> None:
+        self.got: list[tuple[ChunkKey, bytes]] = []
+        self.freed: list[ChunkKey] = []
+        self.refuse_at, self.size, self.present = refuse_at, size, set(present)
+
+    def __call__(self, key: ChunkKey) -> tuple[memoryview | None, Callable[[bool], None]] | None:
         if self.refuse_at is not None and len(self.got) == self.refuse_at:
-            return False
-        self.got.append((key, data))
-        return True
+            return None
+        if key in self.present:
+            return None, lambda ok: None
+        buf = bytearray(self.size)
+
+        def done(ok: bool) -> None:
+            if ok:
+                self.got.append((key, bytes(buf)))
+            else:
+                self.freed.append(key)
+
+        return memoryview(buf), done
 
 
 def verify_written(manager: TierManager, *, written: int, dropped: int = 0, deferred: int = 0) -> None:
@@ -137,6 +152,72 @@ def test_promote_reads_the_highest_tier_and_fills_disk(make: Callable[..., TierM
     verify_written(manager, written=1)
     assert disk.get(key(1)) == payload(1)  # promoted from Redis, now on disk too
     assert manager.stats().promoted == 2
+
+
+def test_promote_reads_the_disk_into_the_target(make: Callable[..., TierManager], disk: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = make()
+    disk.put(key(0), payload(0))
+    monkeypatch.setattr(disk, "get", None)  # get_into only: no fresh memory per chunk
+    sink = Sink(present=[key(1)])
+    assert manager.promote([key(0), key(1)], sink).result(timeout=5) == 2  # key(1): there already
+    assert sink.got == [(key(0), payload(0))] and sink.freed == []
+
+
+def test_corrupt_missing_or_wrong_sized_chunks_free_the_target(make: Callable[..., TierManager], disk: DiskTier) -> None:
+    remote = MemoryTier()
+    manager = make(remote=remote, promote_to_disk=False)
+    for i in range(3):
+        disk.put(key(i), payload(i))
+    remote.put(key(1), payload(1))
+    path = Path(disk._path(key(0)))
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(raw)
+    Path(disk._path(key(1))).write_bytes(raw[:100])  # truncated: Redis still has it
+    sink = Sink()
+    assert manager.promote([key(0)], sink).result(timeout=5) == 0
+    assert sink.freed == [key(0)] and not disk.contains(key(0))  # corrupt: removed, nothing served
+    assert manager.promote([key(1), key(2)], sink).result(timeout=5) == 2  # disk corrupt, Redis good
+    assert sink.got == [(key(1), payload(1)), (key(2), payload(2))]
+    remote.put(key(3), payload(3)[:100])
+    disk.put(key(4), payload(4) * 2)  # longer than a target
+    for k in (key(3), key(4), key(5)):
+        assert manager.promote([k], sink).result(timeout=5) == 0
+    assert sink.freed == [key(0), key(3), key(4), key(5)] and len(sink.got) == 2
+    assert disk.contains(key(4))  # valid, just not this target's size: kept
+
+
+def test_promotions_into_host_slots(make: Callable[..., TierManager], disk: DiskTier) -> None:
+    """Through the engine's ``Promotions``: a slot is invisible until committed, a corrupt chunk
+    frees its slot, and pins go back to zero."""
+    gate, entered = threading.Event(), threading.Event()
+    get_into = disk.get_into
+
+    def slow_get_into(k: ChunkKey, out: codec.Payload) -> int | None:
+        entered.set()
+        gate.wait(5)
+        return get_into(k, out)
+
+    manager = make(promote_to_disk=False)
+    host = HostTier(4 * 512, 512)
+    promotions = Promotions(host, manager, threading.Lock(), lease_timeout_s=60)
+    keys = [key(i) for i in range(3)]
+    for i in range(3):
+        disk.put(key(i), payload(i))
+    path = Path(disk._path(key(2)))
+    path.write_bytes(path.read_bytes()[:-1])  # truncated
+    disk.get_into = slow_get_into  # type: ignore[method-assign]
+    assert promotions.find(keys, 0, "lease") == 3
+    assert entered.wait(5)
+    assert host.lookup(keys) == 0 and not promotions.done("lease")  # WRITING: not visible
+    gate.set()
+    promotions.settle("lease")
+    assert host.lookup(keys) == 2 and not host.contains(key(2))
+    assert bytes(host.slot(key(1)).numpy()) == payload(1)
+    assert host.holds("lease", key(0)) and not host.holds("lease", key(2))
+    assert host.stats().puts == 2 and len(host._free) == 2  # the corrupt chunk's slot is free again
+    promotions.release("lease")
+    assert host.pinned_chunks == 0 and host.live_leases == 0
 
 
 def test_promote_stops_at_the_first_refusal(make: Callable[..., TierManager], disk: DiskTier) -> None:

@@ -2,14 +2,22 @@
 
 Primitives (keys are ``ChunkKey``s; payloads are a chunk's exact bytes):
     find(keys) -> int                  consecutive chunks from keys[0] held by some lower tier
-    promote(keys, sink) -> Future[int] background: read each chunk from the highest tier holding
-                                       it, hand it to ``sink(key, payload) -> bool``; stops at the
-                                       first miss or refusal; the result is the count handed over
+    promote(keys, reserve) -> Future[int]  background: for each chunk ``reserve(key)`` offers a
+                                       target (see ``Reserve``); the chunk is read from the highest
+                                       tier holding it straight into the target, then ``done(ok)``;
+                                       stops at the first miss or refusal; the result is the count
+                                       placed (or already there)
     write_behind(key, provider) -> bool  enqueue copies of a chunk committed to host memory;
                                        False when dropped (queue full, closed); never blocks
     note_hits(keys)                    chunks reused from host memory: sightings for admission
     flush(); close()                   wait for queued writes; drain and join every thread
     size_tiers(bytes_per_block, host_gb, disk_gb, blocks_per_chunk) -> TierSizes
+
+Promotion reads into the caller's memory: a tier with ``get_into`` (the disk) reads and verifies
+the payload in place, so no fresh memory is faulted in per chunk; another (Redis) is read with
+``get`` and copied. A target is always finished with ``done(ok)``: ``ok`` only when a verified
+payload of exactly the target's length is in it, so a missing, corrupt or wrong-sized chunk frees
+the target and ends the promotion.
 
 Writes are lazy: ``provider()`` runs on the writer thread and returns the payload, or None when
 the chunk is gone from host memory by then (counted as ``gone``). The disk admits a chunk
@@ -45,7 +53,11 @@ from kvdepot.storage.redis_tier import RedisTier
 logger = logging.getLogger("kvdepot")
 
 Provider = Callable[[], Payload | None]
-Sink = Callable[[ChunkKey, Payload], bool]
+Done = Callable[[bool], None]
+# ``reserve(key)``: None = refused (stop); (view, done) = read the chunk into the writable
+# ``view`` (exactly one chunk long), then call ``done(ok)``; (None, done) = already there.
+Target = tuple[memoryview | None, Done]
+Reserve = Callable[[ChunkKey], Target | None]
 
 
 class LowerTier(Tier, Protocol):
@@ -117,7 +129,7 @@ class ManagerStats:
     written: int = 0  # chunk copies placed in a lower tier
     write_failures: int = 0  # puts a tier refused (full, down, I/O error)
     gone: int = 0  # providers that found the chunk gone from host memory
-    promoted: int = 0  # chunks handed to sinks
+    promoted: int = 0  # chunks placed in promotion targets (or found there already)
     tiers: list[TierStats] = field(default_factory=list)
 
 
@@ -198,36 +210,55 @@ class TierManager:
             count += 1
         return count
 
-    def promote(self, keys: Sequence[ChunkKey], sink: Sink) -> Future[int]:
-        """Hand ``keys``' payloads to ``sink`` in order, in the background; the count handed over."""
+    def promote(self, keys: Sequence[ChunkKey], reserve: Reserve) -> Future[int]:
+        """Read ``keys``' payloads into the targets ``reserve`` offers, in order, in the background;
+        the count placed."""
         with self._lock:
             if not self._closing:
-                return self._pool.submit(self._promote, list(keys), sink)
+                return self._pool.submit(self._promote, list(keys), reserve)
         done: Future[int] = Future()
         done.set_result(0)
         return done
 
-    def _promote(self, keys: list[ChunkKey], sink: Sink) -> int:
+    def _promote(self, keys: list[ChunkKey], reserve: Reserve) -> int:
         count = 0
         for key in keys:
-            found = self._read(key)
-            if found is None:
+            target = reserve(key)
+            if target is None:
                 break
-            payload, level = found
-            if not sink(key, payload):
+            view, done = target
+            view = None if view is None else memoryview(view).cast("B")
+            found = None
+            try:
+                found = None if view is None else self._read_into(key, view)
+            finally:
+                done(view is None or found is not None)  # frees the target on any failure
+            if view is not None and found is None:
                 break
             count += 1
-            if level and self.promote_to_disk:
+            if found is not None and found[0] and self.promote_to_disk:
+                level, payload = found
                 self._enqueue(key, _held(payload), tuple(self.tiers[:level]), internal=True)
         with self._lock:
             self._stats.promoted += count
         return count
 
-    def _read(self, key: ChunkKey) -> tuple[Payload, int] | None:
+    def _read_into(self, key: ChunkKey, view: memoryview) -> tuple[int, Payload] | None:
+        """(level of the tier read, payload for copies to higher tiers) once ``view`` holds
+        ``key``'s verified payload of exactly ``view``'s length; None if no tier has it so."""
         for level, tier in enumerate(self.tiers):
+            get_into = getattr(tier, "get_into", None)
+            if get_into is not None:
+                try:
+                    if get_into(key, view) == view.nbytes:
+                        return level, (bytes(view) if level else view)  # copies to higher tiers
+                except ValueError:  # longer than a chunk: not this engine's chunk
+                    pass
+                continue
             payload = tier.get(key)
-            if payload is not None:
-                return payload, level
+            if payload is not None and len(payload) == view.nbytes:
+                view[:] = payload
+                return level, payload
         return None
 
     # ---- write-behind ----------------------------------------------------------------------

@@ -5,9 +5,11 @@
     settle(lease)                     before ``lease``'s load: wait (bounded) for its promotion
     done(lease) / release(lease) / wait_all(timeout) / close()
 
-A promoted chunk goes into a host slot (reserve, copy, commit) and is pinned under the lease
-that found it, so the load that follows finds it. Host-tier calls run under the host tier's
-lock, which the owner passes in (the engine's); the copy into a slot runs outside it. The
+A promoted chunk is read straight into a reserved host slot (reserve; the tier reads into it, the
+disk with ``get_into``; commit) and pinned under the lease that found it at commit, so the load
+that follows finds it. A slot being written is WRITING: invisible to lookups and never evicted;
+a failed read frees it and pins nothing. Host-tier calls run under the host tier's lock, which
+the owner passes in (the engine's); the read into a slot runs outside it. The
 tables of futures are only read and written by single dict/set operations (atomic under the
 GIL), so they take no lock of their own.
 """
@@ -15,14 +17,14 @@ GIL), so they take no lock of their own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any
 
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.host import HostTier
-from kvdepot.storage.manager import TierManager
+from kvdepot.storage.manager import Reserve, Target, TierManager
 
 logger = logging.getLogger("kvdepot")
 
@@ -52,7 +54,7 @@ class Promotions:
         self.lower.note_hits(keys[:found])
         more = self.lower.find(keys[found:]) if found < len(keys) else 0
         if more and lease is not None:
-            future = self.lower.promote(keys[found : found + more], self._sink(lease))
+            future = self.lower.promote(keys[found : found + more], self._reserve(lease))
             self._by_lease[lease] = future
             with self._lock:
                 self._running.add(future)
@@ -96,26 +98,29 @@ class Promotions:
             future.cancel()
         self._by_lease.clear()
 
-    def _sink(self, lease: Any) -> Callable[[ChunkKey, Any], bool]:
-        """Where promoted chunks go: a host slot (reserve, copy, commit), pinned under ``lease``."""
+    def _reserve(self, lease: Any) -> Reserve:
+        """Targets for promoted chunks: a WRITING host slot each, committed and pinned under
+        ``lease`` when the read succeeds, freed when it fails."""
 
-        def sink(key: ChunkKey, payload: Any) -> bool:  # bytes or a read-only memoryview
-            if len(payload) != self.host.slot_bytes:  # a slot holds exactly one chunk
-                return False
+        def reserve(key: ChunkKey) -> Target | None:
             with self._lock:
                 slot = self.host.reserve(key)
-                if slot is None and not self.host.contains(key):
-                    return False
-                self.host.pin(lease, [key], self._lease_timeout_s)
-            if slot is None:
-                return True
-            ok = False
-            try:
-                memoryview(slot.numpy())[:] = payload
-                ok = True
-            finally:
+                if slot is None:
+                    if not self.host.contains(key):
+                        return None  # arena full of pinned chunks, or another promotion writes it
+                    self.host.pin(lease, [key], self._lease_timeout_s)
+                    return None, _nothing
+
+            def done(ok: bool) -> None:
                 with self._lock:
                     self.host.commit(key, ok)
-            return ok
+                    if ok:
+                        self.host.pin(lease, [key], self._lease_timeout_s)
 
-        return sink
+            return memoryview(slot.numpy()), done  # a slot holds exactly one chunk
+
+        return reserve
+
+
+def _nothing(ok: bool) -> None:
+    pass
