@@ -283,6 +283,9 @@ def test_tensor_parallel_ranks_never_share_disk_objects(workdir):
             assert wait_for(lambda: totals(stats(clients[0])).get("disk_chunks", 0) >= 10, 10)
             for engine in ranks:  # push `keys` out of host memory on both ranks
                 engine.store(None, list(range(BLOCKS, 2 * BLOCKS)), keys=later).wait()
+            # Let write-behind of `later` finish: its reads pin host slots for a moment, and with 5
+            # slots per rank a promotion that finds every slot pinned loads fewer chunks.
+            assert wait_for(lambda: totals(stats(clients[0])).get("disk_chunks", 0) >= 20, 10)
             status, _ = clients[0].call(p.Lookup(3, w.join_keys(keys)))
             assert status.matched_tokens == 5 * CHUNK and not status.done
             dst = list(range(20, 20 + BLOCKS))
