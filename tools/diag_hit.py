@@ -5,10 +5,12 @@
 import argparse
 import random
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorScheduler, KvDepotConnectorWorker
+from kvdepot.integrations.tensorrt_llm.adapter import (
+    KvDepotConnectorScheduler,
+    KvDepotConnectorWorker,
+)
 from kvdepot.integrations.tensorrt_llm.utils import current_engine
 from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
 
@@ -24,7 +26,12 @@ eng = Engine(a.model, device="cuda", llm_args=TorchLlmArgs(kv_cache_config=KvCac
 current_engine().wait_arena()
 print("pinned arena:", current_engine().host.pin_memory, "mover:", type(current_engine().mover).__name__)
 V = eng.model.config.vocab_size
-prompt = lambda n: [rng.randrange(V) for _ in range(n)]
+
+
+def prompt(n: int) -> list[int]:
+    return [rng.randrange(V) for _ in range(n)]
+
+
 eng.generate([prompt(512)], 1)
 A = prompt(a.length)
 print("miss ms", eng.generate([A], 1)[0].ttft_s * 1e3)

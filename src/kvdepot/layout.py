@@ -14,7 +14,6 @@ of a request's block list.
 from __future__ import annotations
 
 from array import array
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 

@@ -70,10 +70,9 @@ def gpu_timeline(fn: Callable[[], Any]) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        with record_function("kvdepot.timed"):
-            fn()
-            torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof, record_function("kvdepot.timed"):
+        fn()
+        torch.cuda.synchronize()
     events = prof.events()
     outer = next(e for e in events if e.name == "kvdepot.timed")
     gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]

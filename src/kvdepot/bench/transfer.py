@@ -12,7 +12,13 @@ import random
 
 import torch
 
-from kvdepot.bench.common import device_name, gpu_timeline, median_seconds, memcpy_ceiling, print_table
+from kvdepot.bench.common import (
+    device_name,
+    gpu_timeline,
+    median_seconds,
+    memcpy_ceiling,
+    print_table,
+)
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 from kvdepot.transfer import MOVERS
