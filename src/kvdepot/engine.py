@@ -195,6 +195,10 @@ class CacheEngine:
         """Whether the lower-tier part of ``lease``'s hit has been read into host memory."""
         return self._promotions.done(lease)
 
+    def promoted_chunks(self, lease: Any) -> int | None:
+        """Chunks ``lease``'s finished promotion read into host memory; None while it runs or if none."""
+        return self._promotions.promoted(lease)
+
     # ---- store ------------------------------------------------------------------------------
     def store(
         self,

@@ -210,7 +210,12 @@ def test_promotions_into_host_slots(make: Callable[..., TierManager], disk: Disk
     assert promotions.find(keys, 0, "lease") == 3
     assert entered.wait(5)
     assert host.lookup(keys) == 0 and not promotions.done("lease")  # WRITING: not visible
+    assert promotions.promoted("lease") is None  # still running
     gate.set()
+    deadline = time.monotonic() + 5
+    while not promotions.done("lease") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert promotions.promoted("lease") == 2  # stopped short: what a lookup's status must shrink to
     promotions.settle("lease")
     assert host.lookup(keys) == 2 and not host.contains(key(2))
     assert bytes(host.slot(key(1)).numpy()) == payload(1)

@@ -103,9 +103,15 @@ class Session:
         if entry is None:
             raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"no lookup for request id {request_id} in {self}")
         reg = self.reg
-        if not entry.status.done and reg is not None and reg.group.promotions_done(self.lease(request_id)):
-            matched = entry.status.matched_tokens
-            entry.status = PrefetchStatus(True, matched, matched)
+        lease = self.lease(request_id)
+        if not entry.status.done and reg is not None and reg.group.promotions_done(lease):
+            # What is in host memory now: the host part found at LOOKUP plus what the promotion
+            # read. A promotion that stopped short (corrupt chunk, arena full of pinned chunks)
+            # shrinks the match — a load must never be promised chunks that are not there.
+            status, promoted = entry.status, reg.group.promoted_chunks(lease)
+            ready = status.matched_tokens if promoted is None else min(
+                status.matched_tokens, status.ready_tokens + promoted * reg.layout.chunk_size)
+            entry.status = PrefetchStatus(True, ready, ready)
         return entry.status
 
     def drop_prefetch(self, request_id: int, *, now: bool = False) -> bool:

@@ -184,6 +184,11 @@ class Group:
     def promotions_done(self, lease: Hashable) -> bool:
         return all(s.engine.promotion_done(lease) for s in list(self.shards.values()))
 
+    def promoted_chunks(self, lease: Hashable) -> int | None:
+        """Chunks promoted for ``lease`` on every rank (the fewest); None if a rank has no result."""
+        counts = [s.engine.promoted_chunks(lease) for s in list(self.shards.values())]
+        return None if not counts or any(c is None for c in counts) else min(counts)  # type: ignore[type-var]
+
     def release(self, lease: Hashable) -> None:
         for shard in list(self.shards.values()):
             shard.engine.release(lease)

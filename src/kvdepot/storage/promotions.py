@@ -75,6 +75,18 @@ class Promotions:
         future = self._by_lease.get(lease)
         return future is None or future.done()
 
+    def promoted(self, lease: Any) -> int | None:
+        """Chunks ``lease``'s finished promotion put in host memory (0 if it failed); None while
+        it runs or when there is none. A promotion can stop short (a corrupt chunk, a full arena):
+        what was promised must then shrink to this, never be assumed."""
+        future = self._by_lease.get(lease)
+        if future is None or not future.done():
+            return None
+        try:
+            return int(future.result())
+        except Exception:  # noqa: BLE001 - a failed read promoted nothing more
+            return 0
+
     def release(self, lease: Any) -> None:
         """Unpin what ``lease`` holds. A promotion started for it runs on (a prefetch for later
         requests) and drops the pins it adds when it finishes."""
