@@ -25,8 +25,6 @@ import argparse
 import contextlib
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 
 from kvdepot.bench.common import device_name, median_seconds, memcpy_ceiling, print_table
+from kvdepot.bench.server_proc import running_server
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 from kvdepot.layout import PoolLayout
@@ -74,8 +73,6 @@ def run(args: Any) -> list[dict]:
     elems = _opt(args, "kv_heads") * B * _opt(args, "head_dim")
     shape = (moved * 2, _opt(args, "layers"), 2, elems)
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
-    server: subprocess.Popen | None = None
-    client: DepotClient | None = None
     try:
         pool = (torch.empty(shape, dtype=torch.bfloat16, device=device) if device.type == "cuda"
                 else shared_cpu_pool(str(workdir / "pool"), shape, torch.bfloat16))
@@ -91,30 +88,17 @@ def run(args: Any) -> list[dict]:
         engine.wait_arena()
         local = _rates(engine, moved, device, reps)
         engine.close()
-        url = f"ipc://{workdir}/bench.sock"
-        server = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.server", "--url", url, "--chunk-size", str(bpc * B),
-             "--host-capacity-gb", repr(config.host_capacity_gb), "--log-level", "WARNING"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        client = DepotClient(url, timeout_s=30.0, name="bench", connect=False)
-        deadline = time.monotonic() + 120
-        while not client.connect():
-            if time.monotonic() > deadline or server.poll() is not None:
-                raise RuntimeError("the kvdepot server did not start for the benchmark")
-            time.sleep(0.2)
-        remote = RemoteEngine(client, pool, B, model_id="bench", config=config)
-        multi = _rates(remote, moved, device, reps)
-        ping = _rtt(client, None, _opt(args, "lookups"))
-        rtt = _rtt(client, remote.chunk_keys(list(range(moved * B))), _opt(args, "lookups"))
-        remote.close()
+        with running_server("--chunk-size", str(bpc * B), "--host-capacity-gb", repr(config.host_capacity_gb)) as url:
+            client = DepotClient(url, timeout_s=30.0, name="bench")
+            try:
+                remote = RemoteEngine(client, pool, B, model_id="bench", config=config)
+                multi = _rates(remote, moved, device, reps)
+                ping = _rtt(client, None, _opt(args, "lookups"))
+                rtt = _rtt(client, remote.chunk_keys(list(range(moved * B))), _opt(args, "lookups"))
+                remote.close()
+            finally:
+                client.close()
     finally:
-        if client is not None:
-            client.close()
-        if server is not None:
-            with contextlib.suppress(ProcessLookupError):
-                server.send_signal(signal.SIGTERM)
-            server.wait(30)
         shutil.rmtree(workdir, ignore_errors=True)
     def row(mode: str, op: str, **figures: Any) -> dict[str, Any]:
         base = {"device": device_name(device), "block MiB": layout.bytes_per_block / 2**20, "blocks": moved,
