@@ -3,6 +3,7 @@
 Requests carry only *deltas* — chunk keys and block ids the worker has not seen yet — plus this
 step's load range and how many chunks are computed, so the metadata an engine broadcasts stays
 small (a 128K-token prompt is 512 keys of 16 bytes, sent once). Engines add their own fields.
+``planner.DeltaPlanner`` decides them, for every engine's connector.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdepot.engine import CacheEngine, StoreHandle
+from kvdepot.integrations.planner import DeltaPlanner, SentState
 from kvdepot.integrations.tensorrt_llm.api import (
     KvCacheConnectorScheduler,
     KvCacheConnectorWorker,
@@ -43,20 +44,12 @@ from kvdepot.integrations.tensorrt_llm.utils import (
 logger = logging.getLogger("kvdepot")
 
 
-@dataclass
-class _SchedRequest:
-    """What the scheduler knows of one live request."""
+@dataclass(kw_only=True)
+class _SchedRequest(SentState):
+    """What the scheduler knows of one live request: the planner's sent-state plus its tokens."""
 
-    prompt_len: int
     tokens: list[int]
-    keys: list[bytes]
-    block_ids: list[int] = field(default_factory=list)
-    sent_keys: int = 0
-    sent_blocks: int = 0
-    load: tuple[int, int] | None = None  # (skip_blocks, num_blocks) not yet sent to the workers
     load_async: bool = False  # the load waits for a promotion from a lower tier
-    saved_upto: int = 0  # chunks the workers were told to save
-    known: bool = False  # the workers hold state for it
 
 
 class KvDepotConnectorScheduler(KvCacheConnectorScheduler):
@@ -68,6 +61,7 @@ class KvDepotConnectorScheduler(KvCacheConnectorScheduler):
         self._tp_size = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
         self._engine: CacheEngine | None = None
         self._requests: dict[int, _SchedRequest] = {}
+        self._planner = DeltaPlanner(self._block)
         self._finished: list[int] = []
         self._warned_tp = False
 
@@ -86,7 +80,7 @@ class KvDepotConnectorScheduler(KvCacheConnectorScheduler):
         if rid in self._requests:
             logger.warning("kvdepot: request id %s seen again before it finished; its old state is dropped", rid)
             engine.release(rid)
-        state = _SchedRequest(getattr(request, "prompt_len", len(tokens)), tokens, engine.chunk_keys(tokens))
+        state = _SchedRequest(getattr(request, "prompt_len", len(tokens)), engine.chunk_keys(tokens), tokens=tokens)
         self._requests[rid] = state
         hit = engine.probe(keys=state.keys, skip_tokens=num_computed_tokens, lease=rid)
         usable = hit.tokens if engine.config.lower_tier_hits == "async" else hit.host_tokens
@@ -126,7 +120,7 @@ class KvDepotConnectorScheduler(KvCacheConnectorScheduler):
             state = self._requests.get(data.request_id)
             if state is None:  # never looked up (engine was not ready then): saves only
                 tokens = list(data.new_tokens)
-                state = _SchedRequest(len(tokens), tokens, engine.chunk_keys(tokens))
+                state = _SchedRequest(len(tokens), engine.chunk_keys(tokens), tokens=tokens)
                 self._requests[data.request_id] = state
             if len(data.new_block_ids) > len(state.block_ids):
                 state.block_ids = list(data.new_block_ids)
@@ -145,27 +139,15 @@ class KvDepotConnectorScheduler(KvCacheConnectorScheduler):
         return meta
 
     def _plan(self, engine: CacheEngine, rid: int, state: _SchedRequest, computed: int, meta: KvDepotMetadata) -> None:
-        """Emit this step's load and the chunks that will be fully computed after this step."""
-        limit = computed if engine.config.save_decode_cache else min(computed, state.prompt_len)
-        limit = min(limit, len(state.tokens), len(state.block_ids) * self._block)
-        upto = limit // engine.layout.chunk_size
-        if upto > len(state.keys):
-            state.keys = engine.hasher.extend(state.keys, state.tokens)
-        load = state.load
-        if load is None and upto <= state.saved_upto:
-            return
-        item = RequestMeta(
-            rid,
-            new_keys=state.keys[state.sent_keys :],
-            new_block_ids=state.block_ids[state.sent_blocks :],
-            load_skip_blocks=load[0] if load else 0,
-            load_num_blocks=load[1] if load else 0,
-            load_async=state.load_async and load is not None,
-            save_upto_chunks=max(upto, state.saved_upto),
+        """The shared planner's delta for this step, as TensorRT-LLM's item (plus the async-load flag)."""
+        planned = self._planner.plan(
+            rid, state, computed, len(state.tokens), chunk_size=engine.layout.chunk_size,
+            save_decode=engine.config.save_decode_cache, more_keys=lambda: engine.hasher.extend(state.keys, state.tokens),
         )
-        state.sent_keys, state.sent_blocks = len(state.keys), len(state.block_ids)
-        state.load, state.saved_upto, state.known = None, item.save_upto_chunks, True
-        meta.requests.append(item)
+        # NOTE: a lookup here never promises 0 blocks, so a load in the delta is the one it promised.
+        if planned is not None:
+            delta = planned.delta
+            meta.requests.append(RequestMeta(**vars(delta), load_async=state.load_async and delta.load_num_blocks > 0))
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """True while the request's saves may still be copying: keep its blocks until get_finished."""

@@ -7,7 +7,8 @@
                                                      the chunks computed after this step
     finished(request) -> bool                       request_finished: True while saves may run
 
-The logic mirrors the TensorRT-LLM adapter's scheduler step for step. Server mode
+The deltas come from the step planner the TensorRT-LLM adapter uses too (``integrations/planner.py``);
+this role only turns vLLM's scheduler output into its inputs and its deltas into vLLM items. Server mode
 (``server_mode.RemoteScheduler``) subclasses it and overrides only where the engine lives
 (``_engine``), what a lease is called on it (``_lease``), and when kvdepot must stay off.
 """
@@ -16,9 +17,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from kvdepot.integrations.planner import DeltaPlanner, SentState
 from kvdepot.integrations.vllm.common import Setup, logger
 from kvdepot.integrations.vllm.layout import current_engine
 from kvdepot.integrations.vllm.metadata import KvDepotVllmMetadata, VllmRequestMeta
@@ -27,22 +29,14 @@ from kvdepot.keys import ChunkHasher
 IN_PROCESS_BACKENDS = ("uni", "external_launcher")
 
 
-@dataclass
-class SchedRequest:
-    """What the scheduler role knows of one live request."""
+@dataclass(kw_only=True)
+class SchedRequest(SentState):
+    """What the scheduler role knows of one live request: the planner's sent-state plus vLLM's request."""
 
     request: Any  # vLLM's Request: its token list grows in place during decode
     hasher: ChunkHasher
-    keys: list[bytes]
-    prompt_len: int
-    block_ids: list[int] = field(default_factory=list)
-    sent_keys: int = 0
-    sent_blocks: int = 0
     skip_blocks: int = 0  # where a load would start (blocks vLLM holds already)
-    load: tuple[int, int] | None = None  # (skip_blocks, num_blocks) not yet sent to the worker
-    saved_upto: int = 0  # chunks the worker was told to save
-    known: bool = False  # the worker holds state for it
-    reset: bool = True  # the next item tells the worker to start this request over
+    reset: bool = True  # a new lookup: the worker drops whatever it held under this id
 
 
 class Scheduler:
@@ -51,7 +45,8 @@ class Scheduler:
         self._block = setup.block
         self._requests: dict[str, SchedRequest] = {}
         self._hashers: dict[tuple[str, str, bytes], ChunkHasher] = {}
-        self._loads, self._saves = setup.loads, setup.saves
+        self._loads = setup.loads
+        self._planner = DeltaPlanner(self._block, saves=setup.saves)
         self._disabled_reason = "unsupported KV cache groups" if setup.group is None else self._why_off()
         if self._disabled_reason:
             logger.warning("kvdepot: %s; kvdepot is off (no lookups, no saves)", self._disabled_reason)
@@ -112,7 +107,7 @@ class Scheduler:
             return 0
         tokens = list(request.all_token_ids)
         hasher = self._hasher(engine, request)
-        state = SchedRequest(request, hasher, hasher.chunk_keys(tokens), int(request.num_prompt_tokens))
+        state = SchedRequest(int(request.num_prompt_tokens), hasher.chunk_keys(tokens), request=request, hasher=hasher)
         state.skip_blocks = num_computed_tokens // self._block
         self._requests[rid] = state
         started = time.perf_counter()
@@ -156,8 +151,7 @@ class Scheduler:
             # cached already, and request_finished must not hold blocks it no longer has.
             state = self._requests.get(rid)
             if state is not None:
-                state.known, state.saved_upto, state.reset = False, 0, True
-                state.sent_keys = state.sent_blocks = 0
+                state.forget()
         engine = self._engine()
         if engine is None:
             return meta
@@ -175,38 +169,22 @@ class Scheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:  # a preempted request comes back with a new block list
-                state.block_ids = list(new_ids[0]) if new_ids else []
-                state.sent_blocks, state.reset = 0, True
-                state.sent_keys = 0
+                state.resend(list(new_ids[0]) if new_ids else [])
             elif new_ids:
                 state.block_ids.extend(new_ids[0])
             self._plan(engine, rid, state, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
         return meta
 
     def _plan(self, engine: Any, rid: str, state: SchedRequest, computed: int, meta: KvDepotVllmMetadata) -> None:
-        """Emit this step's load and the chunks that will be fully computed after this step."""
-        num_tokens = state.request.num_tokens
-        limit = computed if engine.config.save_decode_cache else min(computed, state.prompt_len)
-        limit = min(limit, num_tokens, len(state.block_ids) * self._block)
-        upto = limit // engine.layout.chunk_size if self._saves else 0
-        if upto > len(state.keys):
-            state.keys = state.hasher.extend(state.keys, list(state.request.all_token_ids))
-            upto = min(upto, len(state.keys))
-        load = state.load
-        if load is None and upto <= state.saved_upto and not state.reset:
-            return
-        item = VllmRequestMeta(
-            rid,
-            new_keys=state.keys[state.sent_keys :],
-            new_block_ids=state.block_ids[state.sent_blocks :],
-            load_skip_blocks=load[0] if load else 0,
-            load_num_blocks=load[1] if load else 0,
-            save_upto_chunks=max(upto, state.saved_upto),
-            reset=state.reset,
+        """The shared planner's delta for this step, as vLLM's item (plus its reset flag)."""
+        request = state.request
+        planned = self._planner.plan(
+            rid, state, computed, request.num_tokens, chunk_size=engine.layout.chunk_size,
+            save_decode=engine.config.save_decode_cache,
+            more_keys=lambda: state.hasher.extend(state.keys, list(request.all_token_ids)),
         )
-        state.sent_keys, state.sent_blocks = len(state.keys), len(state.block_ids)
-        state.load, state.saved_upto, state.known, state.reset = None, item.save_upto_chunks, True, False
-        meta.requests.append(item)
+        if planned is not None:
+            meta.requests.append(VllmRequestMeta(**vars(planned.delta), reset=planned.reset))
 
     def finished(self, request: Any) -> bool:
         """True while the request's saves may still be copying: vLLM keeps its blocks until get_finished."""
