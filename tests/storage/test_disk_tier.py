@@ -45,10 +45,12 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_pa
 
 @pytest.fixture(params=["inline", "overlap"])
 def overlap(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """inline: puts checksum the test's payloads before writing them. overlap: on a helper thread
-    while the payload is written, the header block last (what a chunk over ``OVERLAP`` bytes gets)."""
+    """inline: the test's payloads are checksummed before they are written and after one read.
+    overlap: on a helper thread while the payload is written (the header block last), and piece
+    by piece while the rest is read (what a chunk over ``OVERLAP`` / ``READ_PIECE`` bytes gets)."""
     if request.param == "overlap":
         monkeypatch.setattr(disk, "OVERLAP", 2 * disk.ALIGN)
+        monkeypatch.setattr(disk, "READ_PIECE", 2 * disk.ALIGN)
     return disk.OVERLAP
 
 
@@ -178,6 +180,42 @@ def test_damaged_object_is_a_miss_removed_and_counted(tmp_path: Path, mode: str,
     assert s.used_bytes == disk.OFFSET + len(payload(3))
     assert tier.get(key(3)) == payload(3)  # neighbours untouched
     assert tier.put(key(1), payload(1)) and tier.get(key(1)) == payload(1)  # and it can come back
+
+
+def _flip_last_piece(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x10
+    path.write_bytes(raw)
+
+
+def _flip_middle_piece(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[disk.OFFSET + 5 * disk.READ_PIECE + 7] ^= 0x01
+    path.write_bytes(raw)
+
+
+def _cut_a_piece(path: Path) -> None:
+    os.truncate(path, disk.OFFSET + 3 * disk.READ_PIECE)
+
+
+@pytest.mark.parametrize("damage", [_flip_last_piece, _flip_middle_piece, _cut_a_piece, _flip_payload, _flip_header])
+@pytest.mark.parametrize("into", [False, True], ids=["get", "get_into"])
+def test_damage_in_any_piece_of_a_long_read_is_a_miss(
+    tmp_path: Path, mode: str, damage, into: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A payload read in pieces (checksummed while the next piece is read) is verified whole."""
+    monkeypatch.setattr(disk, "READ_PIECE", 2 * disk.ALIGN)
+    n = 20 * disk.ALIGN + 123  # ten pieces and a partial block
+    tier = make(tmp_path, mode)
+    assert tier.put(key(1), payload(1, n)) and tier.put(key(3), payload(3, n))
+    out = aligned_buffer(n)
+    assert tier.get_into(key(3), out) == n and out == payload(3, n)
+    (path,) = [f for f in files(tier) if f.name == key(1).hex()]
+    damage(path)
+    assert (tier.get_into(key(1), aligned_buffer(n)) if into else tier.get(key(1))) is None
+    assert not path.exists() and not tier.contains(key(1))
+    assert tier.stats().corrupt == 1
+    assert tier.get(key(3)) == payload(3, n)
 
 
 def test_vanished_file_is_a_plain_miss(tmp_path: Path) -> None:

@@ -28,11 +28,13 @@ Primitives:
     read_header(head, namespace, key) -> Header | None  parse and check identity; None if foreign/garbage
     verify(header, payload) -> bool                     length and checksum of a payload
     decode(obj, namespace, key) -> memoryview | None    the verified payload of a whole object
+    verify_pieces(header, pieces) -> bool               verify a payload read in consecutive pieces
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import xxhash
@@ -108,6 +110,16 @@ def read_header(head: Payload, namespace: bytes, key: ChunkKey) -> Header | None
 
 def verify(header: Header, payload: Payload) -> bool:
     return memoryview(payload).nbytes == header.length and _checksum(header.signed, payload) == header.checksum
+
+
+def verify_pieces(header: Header, pieces: Iterable[Payload]) -> bool:
+    """``verify`` of a payload that arrives in consecutive pieces (checked while later pieces are
+    still being read); the same checksum as over the whole."""
+    digest, length = xxhash.xxh3_128(header.signed), 0
+    for piece in pieces:
+        digest.update(piece)
+        length += memoryview(piece).nbytes
+    return length == header.length and digest.digest() == header.checksum
 
 
 def decode(obj: Payload, namespace: bytes, key: ChunkKey) -> memoryview | None:
