@@ -486,8 +486,11 @@ class SlowMover(transfer.base.PerChunk):
 
 
 def cuda_engine(rig: Rig, mover) -> CacheEngine:
+    """An engine on the rig's pool with ``mover``; it replaces the rig's (``verify_idle`` checks it)."""
     engine = CacheEngine(PoolLayout.from_pool(rig.pool, rig.tpb, rig.chunk), rig.config, mover=mover)
     engine.register_pool(rig.pool)
+    rig.engine.close()
+    rig.engine = engine
     return engine
 
 
@@ -556,6 +559,76 @@ def test_cuda_store_does_not_make_the_callers_stream_wait(forward):
     assert engine.retrieve(tokens, ids) == 64
     verify_rows(rig.rows(), {b: original[b] for b in ids}, poison)
     rig.verify_idle()
+
+
+class GatedMover(transfer.base.PerChunk):
+    """Gathers only once ``gate`` opens (or raise ``error``); records which thread issued them."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.inner, self.gate, self.error, self.threads = transfer.TorchBlockMover(), threading.Event(), error, []
+
+    def gather(self, views, block_ids, dst, first=0):
+        self.threads.append(threading.current_thread().name)
+        assert self.gate.wait(30)
+        if self.error is not None:
+            raise self.error
+        self.inner.gather(views, block_ids, dst, first)
+
+    def scatter(self, src, views, block_ids, first=0):
+        self.inner.scatter(src, views, block_ids, first)
+
+
+def close_and_check_the_issuer_stops(engine: CacheEngine) -> None:
+    issuer = engine._transfers._issuer  # white box: the thread this engine started
+    engine.close()
+    assert issuer is not None and not issuer.is_alive()
+
+
+@pytest.mark.gpu
+def test_cuda_store_is_issued_off_the_callers_thread_and_a_load_does_not_wait_for_it():
+    """The engine's step loop only books a store: its copies are issued by the issuer thread, so
+    a load issued next (the next step's) runs while the store has not even been issued."""
+    rig = Rig(device="cuda", tpb=16, bpc=2, num_blocks=12)
+    mover = GatedMover()
+    engine = cuda_engine(rig, mover)
+    first, first_ids = rig.tokens(64), [7, 2, 9, 4]
+    mover.gate.set()
+    engine.store(first, first_ids).wait()
+    original = rig.rows()
+    mover.gate.clear()
+    second, second_ids = rig.tokens(64), [0, 11, 5, 3]
+    handle = engine.store(second, second_ids)  # returns while its gather waits at the gate
+    assert not handle.done() and engine.lookup(second) == 0
+    poison = rig.fill(first_ids)
+    assert engine.lookup(first) == 64 and engine.retrieve(first, first_ids) == 64
+    verify_rows(rig.rows(), {b: original[b] for b in first_ids}, poison)
+    assert not handle.done()  # the load completed while the store still waited to be issued
+    mover.gate.set()
+    handle.wait()
+    assert engine.lookup(second) == 64 and set(mover.threads) == {"kvdepot-store-issuer"}
+    poison = rig.fill(second_ids)
+    assert engine.retrieve(second, second_ids) == 64
+    verify_rows(rig.rows(), {b: original[b] for b in second_ids}, poison)
+    rig.verify_idle()
+    close_and_check_the_issuer_stops(engine)
+
+
+@pytest.mark.gpu
+def test_cuda_store_that_cannot_be_issued_is_dropped_and_leaks_nothing():
+    rig = Rig(device="cuda", tpb=16, bpc=2, num_blocks=8)
+    mover = GatedMover(error=RuntimeError("no copy today"))
+    engine = cuda_engine(rig, mover)
+    tokens, ids = rig.tokens(64), [6, 1, 3, 0]
+    mover.gate.set()
+    handle = engine.store(tokens, ids)
+    handle.wait()
+    assert handle.done() and engine.lookup(tokens) == 0
+    stats = engine.stats()
+    assert (stats.inflight_transfers, stats.host_chunks) == (0, 0)
+    mover.error = None
+    engine.store(tokens, ids).wait()
+    assert engine.lookup(tokens) == 64
+    close_and_check_the_issuer_stops(engine)
 
 
 @pytest.mark.gpu

@@ -390,7 +390,7 @@ class CacheEngine:
     def close(self) -> None:
         """Finish transfers, then drain write-behind and join the tier threads (outside the lock:
         write-behind providers take it)."""
-        self.wait_all()
+        self._transfers.close()
         self._pinner.close()
         self._promotions.close()
         if self.lower is not None:
