@@ -211,3 +211,60 @@ def test_staged_windows_round_trip_many_chunks_through_two_lanes(per_layer, dtyp
         moved = set(ids[:at])
         for b in range(97):
             assert torch.equal(now[b], original[b] if b in moved else poison_pool[b]), b
+
+
+# ---- the staged mover's copy plan (CPU: it is address arithmetic) ---------------------------------
+
+
+def _slots(arena: torch.Tensor, count: int) -> list[torch.Tensor]:
+    size = arena.numel() // count
+    return [arena[k * size : (k + 1) * size] for k in range(count)]
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_window_copies_move_exactly_each_chunks_part_and_merge_only_back_to_back_parts(per_layer):
+    """The staged mover copies a window with one (host, staging) pair per run of chunk parts that
+    lie back to back in one allocation. Executed on the CPU, the pairs must fill the staging
+    window view-major with exactly each chunk's listed positions, and write back only those."""
+    from kvdepot.transfer.base import ChunkCopy
+    from kvdepot.transfer.staged import _window_copies
+
+    c = dict(num_blocks=24, layers=3, kv=2, elems=8, dtype=torch.float16, per_layer=per_layer, seed=5)
+    _pool, views, gen = make_pool(c, "cpu")
+    per_block, bpc = sum(v.shape[1] for v in views), 4
+    slots = _slots(random_bytes((8 * bpc * per_block,), gen), 8)  # one arena of 8 slots
+    elsewhere = random_bytes((bpc * per_block,), gen)  # another allocation
+    window = [
+        ChunkCopy([0, 1, 2, 3], slots[2]), ChunkCopy([4, 5, 6, 7], slots[3]),  # back to back
+        ChunkCopy([8, 9], slots[4], first=2),  # starts inside its slot, ends where slot 5 starts
+        ChunkCopy([10, 11, 12, 13], slots[5]),
+        ChunkCopy([14, 15, 16], elsewhere),  # ends before its slot does
+        ChunkCopy([17, 18, 19, 20], slots[6]),  # not adjacent to the chunk before it
+        ChunkCopy([21, 22], slots[0]),
+    ]
+    total = sum(len(cp.block_ids) for cp in window)
+    staging = torch.zeros(total * per_block, dtype=torch.uint8)
+    pairs = _window_copies(views, window, staging)
+    if not per_layer:  # one view: runs {2, 3}, {4, 5}, {elsewhere}, {6}, {0}
+        assert len(pairs) == 5
+    for host, stage in pairs:
+        stage.copy_(host)
+    expected = []
+    for v in range(len(views)):
+        for cp in window:
+            region = list(view_regions(views, cp.host))[v][1]
+            expected.append(region[cp.first : cp.first + len(cp.block_ids)].reshape(-1))
+    assert torch.equal(staging, torch.cat(expected))
+    # Back: poisoned hosts receive the listed positions only.
+    before = [cp.host.clone() for cp in window]
+    for cp in window:
+        cp.host.copy_(random_bytes(cp.host.shape, gen))
+    poisoned = [cp.host.clone() for cp in window]
+    for host, stage in pairs:
+        host.copy_(stage)
+    for cp, old, poison in zip(window, before, poisoned, strict=True):
+        for (_v, now), (_, was), (_, bad) in zip(view_regions(views, cp.host), view_regions(views, old),
+                                                 view_regions(views, poison), strict=True):
+            for pos in range(now.shape[0]):
+                listed = cp.first <= pos < cp.first + len(cp.block_ids)
+                assert torch.equal(now[pos], was[pos] if listed else bad[pos]), (pos, listed)

@@ -32,32 +32,47 @@ _WORDS = (torch.int64, torch.int32, torch.int16)
 WINDOW_BYTES = 64 << 20  # one staging window; a lane holds two (larger chunks get a larger window)
 
 
-def _joined(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
-    """``a`` and ``b`` as one tensor when ``b`` starts right where ``a`` ends in the same memory."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return None
-    if a.data_ptr() + a.numel() * a.element_size() != b.data_ptr() or a.shape[1:] != b.shape[1:]:
-        return None
-    return a.new_empty(0).set_(a.untyped_storage(), a.storage_offset(), (a.shape[0] + b.shape[0], *a.shape[1:]))
+def _window_copies(views: Sequence[torch.Tensor], window: list[ChunkCopy], staging: torch.Tensor) -> list:
+    """The (host bytes, staging bytes) pairs to copy for a window, 1-D both: per view, one per run
+    of chunks whose parts lie back to back in one host allocation (adjacent arena slots: one
+    larger copy instead of several). Staging is view-major over the window's blocks, so one
+    view's rows of consecutive chunks are adjacent there by construction.
+
+    Adjacency is worked out on byte offsets, and tensors are made only for the merged runs: at
+    32 small chunks per operation, a tensor per chunk and view was most of the host time."""
+    segs = [v.shape[1] for v in views]
+    per_block, total = sum(segs), sum(len(c.block_ids) for c in window)
+    chunks = [(c, c.host.untyped_storage(), c.host.numel() // per_block) for c in window]
+    pairs, prefix = [], 0
+    for seg in segs:
+        stage_at = prefix * total  # this view's region of the staging window
+        run: list | None = None  # [storage, host offset in storage, bytes, staging offset]
+        for c, storage, slot_blocks in chunks:
+            at = c.host.storage_offset() + prefix * slot_blocks + c.first * seg
+            size = len(c.block_ids) * seg
+            if run is not None and run[0].data_ptr() == storage.data_ptr() and run[1] + run[2] == at:
+                run[2] += size
+            else:
+                if run is not None:
+                    pairs.append(_pair(run, staging))
+                run = [storage, at, size, stage_at]
+            stage_at += size
+        if run is not None:
+            pairs.append(_pair(run, staging))
+        prefix += seg
+    return pairs
 
 
-def _coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Merge consecutive (host, staging) copy pairs whose memory is adjacent on both sides."""
-    out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for host, stage in pairs:
-        if out:
-            h, s = _joined(out[-1][0], host), _joined(out[-1][1], stage)
-            if h is not None and s is not None:
-                out[-1] = (h, s)
-                continue
-        out.append((host, stage))
-    return out
+def _pair(run: list, staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    storage, at, size, stage_at = run
+    host = torch.empty(0, dtype=torch.uint8).set_(storage, at, (size,))
+    return host, staging[stage_at : stage_at + size]
 
 
 def _as_words(t: torch.Tensor) -> torch.Tensor:
     """View a 2-D uint8 tensor with the widest integer type its rows allow (fewer elements to index)."""
     for dtype in _WORDS:
-        size = torch.empty((), dtype=dtype).element_size()
+        size = dtype.itemsize
         if t.shape[-1] % size == 0 and t.data_ptr() % size == 0:
             return t.view(dtype)
     return t
@@ -121,7 +136,7 @@ class StagedBlockMover:
             i, n = w % 2, sum(len(c.block_ids) for c in window)
             staging = lane.window(i, n * per_block, device)
             idx, start = index[start : start + n], start + n
-            pairs = _coalesce(self._pairs(views, window, staging))
+            pairs = _window_copies(views, window, staging)
             if to_host:
                 if lane.free[i] is not None:
                     caller.wait_event(lane.free[i])  # the window's previous copy has left it
@@ -164,20 +179,6 @@ class StagedBlockMover:
             windows[-1].append(c)
             size += need
         return windows
-
-    @staticmethod
-    def _pairs(views: Sequence[torch.Tensor], window: list[ChunkCopy], staging: torch.Tensor) -> list:
-        """Per view and chunk, the (host rows, staging rows) pair to copy; staging is view-major
-        over all the window's blocks, so one view's rows of consecutive chunks are adjacent."""
-        hosts = [[r for _, r in view_regions(views, c.host)] for c in window]
-        pairs = []
-        for i, (_view, stage) in enumerate(view_regions(views, staging)):
-            row = 0
-            for c, regions in zip(window, hosts, strict=True):
-                n = len(c.block_ids)
-                pairs.append((regions[i][c.first : c.first + n], stage[row : row + n]))
-                row += n
-        return pairs
 
     @staticmethod
     def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
