@@ -30,32 +30,74 @@ def median_seconds(fn: Callable[[], Any], device: torch.device, reps: int, warmu
     return statistics.median(times)
 
 
+class Memcpy:
+    """Plain copies of ``nbytes`` between pinned host memory and the device (the ceiling), kept
+    allocated so that a benchmark can time one right beside each of its own operations.
+
+    On a CPU-only machine every direction is a host memcpy of the same size (``both`` is None).
+    """
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        self.device, pin = device, device.type == "cuda"
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.host.random_(0, 255)
+        self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if pin:
+            self._host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self._up, self._down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def h2d(self) -> None:
+        self.dev.copy_(self.host, non_blocking=True)
+
+    def d2h(self) -> None:
+        self.host.copy_(self.dev, non_blocking=True)
+
+    @property
+    def both(self) -> Callable[[], None] | None:
+        """Both directions at once, on two streams (counts twice the bytes); None on CPU."""
+        if self.device.type != "cuda":
+            return None
+
+        def run() -> None:
+            with torch.cuda.stream(self._up):
+                self.dev.copy_(self.host, non_blocking=True)
+            with torch.cuda.stream(self._down):
+                self._host2.copy_(self._dev2, non_blocking=True)
+
+        return run
+
+
 def memcpy_ceiling(nbytes: int, device: torch.device, reps: int) -> tuple[float, float, float]:
     """GB/s of plain copies of ``nbytes``: host->device, device->host (pinned when CUDA), and both
-    directions at once on two streams (total bytes over time; NaN on CPU).
-
-    On a CPU-only machine both directions are a host memcpy of the same size.
-    """
-    pin = device.type == "cuda"
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    host.random_(0, 255)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h2d = median_seconds(lambda: dev.copy_(host, non_blocking=True), device, reps)
-    d2h = median_seconds(lambda: host.copy_(dev, non_blocking=True), device, reps)
-    if device.type != "cuda":
-        return nbytes / h2d / 1e9, nbytes / d2h / 1e9, float("nan")
-    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    up, down = torch.cuda.Stream(device), torch.cuda.Stream(device)
-
-    def both() -> None:
-        with torch.cuda.stream(up):
-            dev.copy_(host, non_blocking=True)
-        with torch.cuda.stream(down):
-            host2.copy_(dev2, non_blocking=True)
-
-    both_s = median_seconds(both, device, reps)
+    directions at once (total bytes over time; NaN on CPU)."""
+    copies = Memcpy(nbytes, device)
+    h2d = median_seconds(copies.h2d, device, reps)
+    d2h = median_seconds(copies.d2h, device, reps)
+    both_s = median_seconds(copies.both, device, reps) if copies.both is not None else float("nan")
     return nbytes / h2d / 1e9, nbytes / d2h / 1e9, 2 * nbytes / both_s / 1e9
+
+
+def paired_seconds(
+    op: Callable[[], Any], ceiling: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1
+) -> tuple[float, float, float]:
+    """(median seconds of ``op``, of ``ceiling``, median of the per-pair ratios ceiling/op), the
+    two timed alternately. Single runs on the H200 moved by 10-20% with what else crossed the
+    host's PCIe switch; a drift like that hits both members of a pair alike."""
+    for _ in range(warmup):
+        op()
+        ceiling()
+        sync(device)
+    ops, ceilings = [], []
+    for _ in range(reps):
+        for fn, times in ((op, ops), (ceiling, ceilings)):
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - start)
+    ratio = statistics.median(c / o for c, o in zip(ceilings, ops, strict=True))
+    return statistics.median(ops), statistics.median(ceilings), ratio
 
 
 def gpu_timeline(fn: Callable[[], Any]) -> dict[str, float]:
@@ -75,7 +117,10 @@ def gpu_timeline(fn: Callable[[], Any]) -> dict[str, float]:
         torch.cuda.synchronize()
     events = prof.events()
     outer = next(e for e in events if e.name == "kvdepot.timed")
-    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    # The record_function above also appears on the GPU (a user annotation spanning the call's
+    # GPU work): it is not work, so it is left out.
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+           and e.time_range.end > e.time_range.start and e.name != outer.name]
     if not gpu:
         return {}
     copies = [(e.time_range.start, e.time_range.end) for e in gpu if "memcpy" in e.name.lower()]

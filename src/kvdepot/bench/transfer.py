@@ -12,13 +12,7 @@ import random
 
 import torch
 
-from kvdepot.bench.common import (
-    device_name,
-    gpu_timeline,
-    median_seconds,
-    memcpy_ceiling,
-    print_table,
-)
+from kvdepot.bench.common import Memcpy, device_name, gpu_timeline, paired_seconds, print_table
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 from kvdepot.transfer import MOVERS
@@ -34,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens moved per operation, the same prefix for every shape (default: 8192 on CUDA, 1024 on CPU)")
     parser.add_argument("--blocks", type=int, default=None, help="blocks moved per operation (overrides --tokens)")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=9, help="timed operations of each kind, each paired with a plain copy")
     parser.add_argument("--mover", choices=sorted(MOVERS) + ["all"], default="all", help="transfer path(s) to measure")
     parser.add_argument("--timeline", action="store_true",
                         help="also attribute one store and one retrieve: CPU lead-in, copy-engine busy time, gaps (CUDA)")
@@ -75,7 +69,7 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
 
     # Keys and block ids are drawn before the clock starts: hashing is the scheduler's cost
     # (``bench lookup``), not the transfer's.
-    batches = [(fresh_keys(), ids()) for _ in range(4 + 3 * args.reps + 2)]
+    batches = [(fresh_keys(), ids()) for _ in range(4 + 2 * args.reps + 3)]
 
     def store() -> None:
         keys, block_ids = batches.pop()
@@ -86,7 +80,8 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
 
     for _ in range(4):  # fill the arena once over
         store()
-    store_s = median_seconds(store, device, args.reps, warmup=0)
+    copies = Memcpy(nbytes, device)  # each timed operation is paired with a plain copy of its bytes
+    store_s, d2h_s, store_ratio = paired_seconds(store, copies.d2h, device, args.reps, warmup=0)
     held = fresh_keys()
     engine.store(None, ids(), keys=held).wait()
 
@@ -96,7 +91,7 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
         if engine.retrieve(None, batches[-1][1], keys=held) != moved * args.tokens_per_block:
             raise RuntimeError("benchmark retrieve found its chunks evicted")  # would time as infinitely fast
 
-    load_s = median_seconds(retrieve, device, args.reps)
+    load_s, h2d_s, load_ratio = paired_seconds(retrieve, copies.h2d, device, args.reps)
 
     def both() -> None:  # a store and a load in flight together, on the engine's two streams
         keys, block_ids = batches.pop()
@@ -106,21 +101,21 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
             raise RuntimeError("benchmark retrieve found its chunks evicted")
         handle.wait()
 
-    both_s = median_seconds(both, device, args.reps) if device.type == "cuda" else float("nan")
+    nan = (float("nan"),) * 3
+    both_s, bidir_s, both_ratio = paired_seconds(both, copies.both, device, args.reps) if copies.both else nan
     timeline = {}
     if getattr(args, "timeline", False) and device.type == "cuda":
         timeline = {"retrieve": gpu_timeline(retrieve), "store": gpu_timeline(store)}  # a store evicts
     engine.wait_all()
     engine.close()
-    h2d, d2h, bidir = memcpy_ceiling(nbytes, device, args.reps)
     shape = f"L{args.layers} H{args.kv_heads} D{args.head_dim} tpb{args.tokens_per_block}"
     common = {"mover": mover, "shape": shape, "block MiB": block_bytes / 2**20, "blocks": moved, "pinned": engine.host.pin_memory}
     rows = [
-        {**common, "op": "store", "GB/s": nbytes / store_s / 1e9, "memcpy GB/s": d2h},
-        {**common, "op": "retrieve", "GB/s": nbytes / load_s / 1e9, "memcpy GB/s": h2d},
-        {**common, "op": "both at once", "GB/s": 2 * nbytes / both_s / 1e9, "memcpy GB/s": bidir},
+        {**common, "op": "store", "GB/s": nbytes / store_s / 1e9, "memcpy GB/s": nbytes / d2h_s / 1e9, "ratio": store_ratio},
+        {**common, "op": "retrieve", "GB/s": nbytes / load_s / 1e9, "memcpy GB/s": nbytes / h2d_s / 1e9, "ratio": load_ratio},
+        {**common, "op": "both at once", "GB/s": 2 * nbytes / both_s / 1e9, "memcpy GB/s": 2 * nbytes / bidir_s / 1e9,
+         "ratio": both_ratio},
     ]
     for row in rows:
-        row["ratio"] = row["GB/s"] / row["memcpy GB/s"]
         row.update(timeline.get(row["op"], {}))
     return rows
