@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash tools/h200_run.sh [steps...]
-# steps: tests transfer demo ttft ttft4k mp tiers (default: tests transfer demo ttft mp). Output lands in $OUT.
+# steps: tests transfer demo ttft ttft4k mp tiers pieces anatomy (default: tests transfer demo ttft mp). Output lands in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -29,5 +29,14 @@ for step in $steps; do
         } 2>&1 | tee "$OUT/mp.txt" ;;
     tiers) mkdir -p /tmp/kvd-disk; df -T /tmp/kvd-disk | tail -1
            python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/tiers.txt" ;;
+    pieces) mkdir -p /tmp/kvd-disk  # disk reads by piece size (1024 MiB: one read, then one checksum pass)
+            for mib in 1024 16 8 4; do echo "--- READ_PIECE $mib MiB"
+              python3 -c "import sys; from kvdepot.storage import disk; disk.READ_PIECE = $mib << 20
+from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --disk-path /tmp/kvd-disk --reps 5
+            done 2>&1 | tee "$OUT/pieces.txt" ;;
+    anatomy) { python3 tools/transfer_anatomy.py --trace "$OUT/trace_8b_staged.json"
+               python3 tools/transfer_anatomy.py --mover runs
+               python3 tools/transfer_anatomy.py --layers 16 --head-dim 64 --tokens-per-block 8 --profile --trace "$OUT/trace_1b_staged.json"
+             } 2>&1 | tee "$OUT/anatomy.txt" ;;
   esac
 done
