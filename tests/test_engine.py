@@ -516,6 +516,8 @@ def test_cuda_odd_blocks_every_dtype_and_many_async_stores(dtype):
     rig = Rig(device="cuda", dtype=dtype, tpb=16, bpc=3, layers=5, kv=2, row=24, num_blocks=61, seed=7)
     engine = rig.engine
     assert engine.host.pin_memory  # auto: pinned when CUDA is present
+    engine.wait_arena()
+    assert engine.stats().host_pending_chunks == 0 < engine.stats().host_capacity_chunks
     original = rig.rows()
     requests = []
     for n_ids in (1, 3, 7, 13):  # odd counts, random order, partial trailing chunk

@@ -173,7 +173,9 @@ def test_arena_grows_in_segments_up_to_capacity(monkeypatch):
     monkeypatch.setattr(host_module, "SEGMENT_BYTES", 3 * SLOT)  # 3 slots a segment: 3 + 3 + 1
     tier = HostTier(7 * SLOT + 5, SLOT, clock=FakeClock())
     assert tier.num_slots == 7
+    assert tier.allocated_slots == 0  # nothing backed until the first write
     slots = {i: put(tier, key(i), i) for i in range(7)}
+    assert tier.allocated_slots == 7
     verify_contents(tier, {key(i): i for i in range(7)})
     spans = sorted((s.data_ptr(), s.data_ptr() + SLOT) for s in slots.values())
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))

@@ -383,6 +383,8 @@ class CacheEngine:
             s.live_leases, s.pinned_chunks = self.host.live_leases, self.host.pinned_chunks
             s.inflight_transfers = len(self._transfers.inflight)
             s.host_chunks, s.host_capacity_chunks = host.chunks, self.host.num_slots
+            # An unpinned (CPU) arena grows on demand: nothing is pending for it.
+            s.host_pending_chunks = self.host.num_slots - self.host.allocated_slots if self.host.pin_memory else 0
             s.promoting = self._promotions.running
             s.lower = self.lower.stats().tiers if self.lower is not None else []
             return EngineStats(**{**vars(s), "lower": list(s.lower)})

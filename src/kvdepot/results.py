@@ -32,6 +32,7 @@ class EngineStats:
     inflight_transfers: int = 0
     host_chunks: int = 0
     host_capacity_chunks: int = 0
+    host_pending_chunks: int = 0  # arena slots the background pinner has yet to allocate (0: all there)
     promoting: int = 0  # lookups whose lower-tier chunks are still being read into host memory
     short_loads: int = 0  # loads that found fewer chunks than their lookup promised (logged)
     lower: list[TierStats] = field(default_factory=list)

@@ -21,7 +21,7 @@ from kvdepot.server.protocol import StatsReply
 _COUNTERS = {"hits": "hits", "misses": "misses", "lookups": "lookups", "bytes_stored": "bytes_stored",
              "bytes_loaded": "bytes_loaded", "evictions": "evictions", "dropped_stores": "dropped_stores"}
 _GAUGES = {"live_leases": "live_leases", "pinned_chunks": "pinned_chunks", "host_chunks": "host_chunks",
-           "host_capacity_chunks": "host_capacity_chunks"}
+           "host_capacity_chunks": "host_capacity_chunks", "host_pending_chunks": "host_pending_chunks"}
 
 
 def gbps(nbytes: float, seconds: float) -> float:

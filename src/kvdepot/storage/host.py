@@ -208,6 +208,11 @@ class HostTier:
         return True
 
     @property
+    def allocated_slots(self) -> int:
+        """Slots backed by memory so far (the arena grows in segments up to ``num_slots``)."""
+        return self._allocated
+
+    @property
     def live_leases(self) -> int:
         return len(self._leases)
 
