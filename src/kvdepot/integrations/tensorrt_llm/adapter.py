@@ -182,6 +182,7 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         self._finishing: set[int] = set()
         self._async_loads: dict[int, RequestMeta] = {}  # waiting for their promotion
         self._loaded: set[int] = set()  # async loads done, not reported yet
+        self._started: set[int] = set()  # async loads TensorRT-LLM has seen start (get_finished's argument)
         self._pending_saves: list[tuple[_WorkerRequest, list[int], list[bytes]]] = []  # noted, not enqueued
         self._save_stream: Any = None
 
@@ -282,7 +283,7 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
                 del self._async_loads[rid]
                 self._load(item, self._requests[rid], None)
                 self._loaded.add(rid)
-        self._started = getattr(self, "_started", set()) | set(started)
+        self._started.update(started)
         ready = [rid for rid in self._loaded if rid in self._started]
         for rid in ready:
             self._loaded.discard(rid)
