@@ -161,6 +161,64 @@ def test_lease_timeout_with_a_fake_clock():
     verify_idle(tier)
 
 
+def test_reserve_many_reserves_in_order_and_re_reserves_a_chunk_it_evicted():
+    tier = HostTier(2 * SLOT, SLOT, clock=FakeClock())
+    put(tier, key(2), 2)  # the coldest
+    put(tier, key(3), 3)
+    # key(1) evicts key(2); key(2) is then absent, so it is reserved again (evicting key(3));
+    # the repeated key(1) is WRITING already.
+    slots = tier.reserve_many([key(1), key(2), key(1)])
+    assert [s is not None for s in slots] == [True, True, False]
+    assert tier.stats().evictions == 2 and not tier.contains(key(3))
+    for k in (key(1), key(2)):
+        tier.commit(k, False)
+    verify_idle(tier)
+
+
+def test_reserve_many_expires_a_timed_out_lease_before_evicting():
+    clock = FakeClock()
+    tier = HostTier(2 * SLOT, SLOT, clock=clock)
+    put(tier, key(1), 1)
+    put(tier, key(2), 2)
+    assert tier.lookup([key(1), key(2)], lease="slow", timeout_s=1.0) == 2
+    assert tier.reserve_many([key(3), key(4)]) == [None, None]  # all pinned: both dropped
+    clock.now += 2.0
+    assert all(s is not None for s in tier.reserve_many([key(3), key(4)]))
+    assert tier.stats().dropped == 2 and tier.stats().evictions == 2
+    verify_idle(tier)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    slots=st.integers(1, 4),
+    setup=st.lists(st.tuples(st.sampled_from(["put", "pin", "reserve", "advance"]), st.integers(0, 7)), max_size=12),
+    batch=st.lists(st.integers(0, 7), max_size=6),
+)
+def test_reserve_many_is_reserve_called_in_order(slots, setup, batch):
+    """Same slots, same evictions, same drops as one ``reserve`` per key, whatever came before."""
+    tiers = []
+    for _ in range(2):
+        clock = FakeClock()
+        tier = HostTier(slots * SLOT, SLOT, clock=clock)
+        for op, i in setup:
+            if op == "put":
+                put(tier, key(i), i)
+            elif op == "pin":
+                tier.lookup([key(i)], lease=i, timeout_s=1.0 + i % 2 * 10)
+            elif op == "reserve":
+                tier.reserve(key(i))
+            else:
+                clock.now += 2.0
+        tiers.append(tier)
+    many = tiers[0].reserve_many([key(i) for i in batch])
+    one = [tiers[1].reserve(key(i)) for i in batch]
+    assert [s if s is None else s.storage_offset() for s in many] == [s if s is None else s.storage_offset() for s in one]
+    a, b = (t.stats() for t in tiers)
+    assert (a.evictions, a.dropped, a.used_bytes, a.chunks) == (b.evictions, b.dropped, b.used_bytes, b.chunks)
+    assert [tiers[0].contains(key(i)) for i in range(8)] == [tiers[1].contains(key(i)) for i in range(8)]
+    assert (tiers[0].live_leases, tiers[0].pinned_chunks) == (tiers[1].live_leases, tiers[1].pinned_chunks)
+
+
 def test_capacity_below_one_slot_holds_nothing():
     tier = HostTier(SLOT - 1, SLOT, clock=FakeClock())
     assert tier.num_slots == 0 and tier.reserve(key(1)) is None

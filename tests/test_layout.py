@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -103,6 +104,18 @@ def test_check_block_ids():
     layout = PoolLayout.from_pool(torch.empty(4, 1, 1, 16, dtype=torch.float16), 16, 16)
     layout.check_block_ids([3, 0, 2, 1])
     layout.check_block_ids([])
-    for bad in ([4], [0, -1], [1.0], ["1"], [None]):
+    for bad in ([4], [0, -1], [1.0], ["1"], [None], [2**63], [np.float64(1.0)]):
         with pytest.raises(LayoutError, match=r"out of range \[0, 4\)"):
             layout.check_block_ids(bad)
+    layout.check_block_ids([np.int64(3), True, 0])  # anything with __index__ is an integer, as before
+
+
+def test_check_block_ids_distinct():
+    layout = PoolLayout.from_pool(torch.empty(4, 1, 1, 16, dtype=torch.float16), 16, 16)
+    layout.check_block_ids([1, 2, 1])  # repeats are only refused when asked
+    layout.check_block_ids([3, 0, 2, 1], distinct=True)
+    layout.check_block_ids([], distinct=True)
+    with pytest.raises(LayoutError, match="distinct"):
+        layout.check_block_ids([1, 2, 1], distinct=True)
+    with pytest.raises(LayoutError, match="out of range"):  # the range is checked first
+        layout.check_block_ids([4, 4], distinct=True)

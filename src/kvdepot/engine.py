@@ -217,11 +217,12 @@ class CacheEngine:
         bpc = self.layout.blocks_per_chunk
         with self._lock:
             self._transfers.poll_locked()
-            placed = []
-            for c in range(chunks):
-                slot = self.host.reserve(keys[c])
-                if slot is not None:
-                    placed.append((keys[c], slot, list(block_ids[c * bpc : (c + 1) * bpc])))
+            slots = self.host.reserve_many(keys[:chunks])
+            placed = [
+                (keys[c], slot, list(block_ids[c * bpc : (c + 1) * bpc]))
+                for c, slot in enumerate(slots)
+                if slot is not None
+            ]
             self._stats.dropped_stores = self.host.stats().dropped
         if not placed:
             return StoreHandle(self._transfers, 0, None)
@@ -302,11 +303,11 @@ class CacheEngine:
         plan: list[tuple[torch.Tensor, list[int], int]] = []
         with self._lock:
             self._transfers.poll_locked()
-            for c in range(skip_blocks // bpc, -(-end_block // bpc)):
-                key = keys[c]
-                if not self.host.contains(key):
-                    break
-                self.host.pin(pin, [key])
+            first = skip_blocks // bpc
+            cached = list(itertools.takewhile(self.host.contains, keys[first : -(-end_block // bpc)]))
+            if cached:
+                self.host.pin(pin, cached)  # one call for all: a call per chunk cost ~1 us each
+            for c, key in enumerate(cached, first):
                 lo, hi = max(c * bpc, skip_blocks), min((c + 1) * bpc, end_block)  # this chunk's blocks to load
                 plan.append((self.host.slot(key), list(block_ids[lo:hi]), lo - c * bpc))
             if lease is not None:
@@ -369,9 +370,7 @@ class CacheEngine:
                 f"{len(block_ids)} block ids cannot hold {num_tokens} tokens "
                 f"({self.layout.tokens_per_block} per block: {needed} needed)"
             )
-        self.layout.check_block_ids(block_ids)
-        if len(set(block_ids)) != len(block_ids):
-            raise LayoutError("block ids of one request must be distinct")
+        self.layout.check_block_ids(block_ids, distinct=True)
 
     def stats(self) -> EngineStats:
         with self._lock:

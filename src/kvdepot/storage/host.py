@@ -108,7 +108,7 @@ class HostTier:
         return segment is not None and self.add_segment(segment)
 
     def _evict_one(self) -> bool:
-        self.expire_leases()  # NOTE: pins of timed-out leases must not keep a full arena full
+        """Free the coldest READY slot no lease pins. The caller expires timed-out leases first."""
         victim = None
         for key in self._policy.candidates():
             if key in self._ready and not self._pins.get(key):
@@ -128,13 +128,31 @@ class HostTier:
     # ---- two-phase write ------------------------------------------------------------------
     def reserve(self, key: ChunkKey) -> torch.Tensor | None:
         """Allocate a WRITING slot for ``key``; None if present already or nothing is evictable."""
-        if key in self._slot_of:
-            return None
-        if not self._free and not (self.grow_inline and self._grow()) and not self._evict_one():
-            self._stats.dropped += 1
-            return None
-        self._slot_of[key] = self._free.pop()
-        return self.slot(key)
+        return self.reserve_many([key])[0]
+
+    def reserve_many(self, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+        """``reserve`` each of ``keys`` in order, in one call: a store of many chunks.
+
+        Timed-out leases are expired at the first eviction, so their pins do not keep a full arena
+        full; once per call, not before every eviction, as an expiry scans every lease.
+        """
+        slots: list[torch.Tensor | None] = []
+        expired = False
+        for key in keys:
+            if key in self._slot_of:
+                slots.append(None)
+                continue
+            if not self._free and not (self.grow_inline and self._grow()):
+                if not expired:
+                    self.expire_leases()
+                    expired = True
+                if not self._evict_one():
+                    self._stats.dropped += 1
+                    slots.append(None)
+                    continue
+            self._slot_of[key] = self._free.pop()
+            slots.append(self.slot(key))
+        return slots
 
     def commit(self, key: ChunkKey, ok: bool) -> None:
         """Finish a write: READY on success, FREE again on failure."""
