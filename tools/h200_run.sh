@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash tools/h200_run.sh [steps...]
-# steps: tests transfer demo ttft ttft4k mp ttftmp tiers pieces anatomy (default: tests transfer demo ttft mp). Output lands in $OUT.
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp tiers pieces anatomy (default: tests transfer demo ttft mp). Output lands in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -21,6 +21,7 @@ for step in $steps; do
         python3 -m kvdepot.cli bench transfer --layers 16 --head-dim 64 --tokens-per-block 8 --timeline
         python3 -m kvdepot.cli bench transfer --layers 16 --head-dim 64 --tokens-per-block 8 --tokens 2048 --timeline
       } 2>&1 | tee "$OUT/transfer.txt" ;;
+    transfer1b) python3 -m kvdepot.cli bench transfer --layers 16 --head-dim 64 --tokens-per-block 8 --mover staged 2>&1 | tee "$OUT/transfer1b.txt" ;;
     demo) python3 -m kvdepot.cli demo --model llama-1b --prompt-tokens 8192 2>&1 | tee "$OUT/demo.txt" ;;
     ttft) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --plot "$OUT/ttft.png" --json "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.txt" ;;
     ttft4k) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --lengths 4096 2>&1 | tee "$OUT/ttft4k.txt" ;;
