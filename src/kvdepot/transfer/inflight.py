@@ -183,7 +183,7 @@ class InflightTransfers:
                     side.wait_event(ready)
                     copy()
                     transfer.event = side.record_event()
-            except Exception:
+            except BaseException:  # never commit slots whose copies were not all enqueued
                 logger.exception("kvdepot: a store's copies could not be enqueued; its chunks are dropped")
                 transfer.on_done, transfer.event = on_fail, None
             finally:
