@@ -40,11 +40,16 @@ class _Transfer:
 
     token: int
     on_done: Callable[[], None]
-    event: Any = None  # recorded after the copies; None on CPU and after a failed issue
+    on_fail: Callable[[], None]  # runs instead of on_done when the copies could not be enqueued
+    event: Any = None  # recorded after the copies; None until then, and after a failed issue
     issued: threading.Event = field(default_factory=threading.Event)
+    failed: bool = False
 
     def finished(self) -> bool:
         return self.issued.is_set() and (self.event is None or self.event.query())
+
+    def complete(self) -> None:
+        (self.on_fail if self.failed else self.on_done)()
 
     def synchronize(self) -> None:
         self.issued.wait()
@@ -60,8 +65,7 @@ class InflightTransfers:
         self.streams: tuple[Any, ...] | None = None  # None: CPU pool, copies run inline
         self.inflight: deque[_Transfer] = deque()
         self._tokens = itertools.count(1)
-        self._issues: queue.SimpleQueue[tuple[_Transfer, Callable[[], None], Any, Any, Callable[[], None]] | None] = (
-            queue.SimpleQueue())
+        self._issues: queue.SimpleQueue[tuple[_Transfer, Callable[[], None], Any, Any] | None] = queue.SimpleQueue()
         self._issuer: threading.Thread | None = None
 
     def attach(self, device: torch.device) -> None:
@@ -98,13 +102,13 @@ class InflightTransfers:
         caller = stream if stream is not None else torch.cuda.current_stream(self.streams[0].device)
         side = self.side_stream(store, caller)
         with self._lock:
-            transfer = _Transfer(next(self._tokens), on_done)
+            transfer = _Transfer(next(self._tokens), on_done, on_fail or on_done)
             self.inflight.append(transfer)
         if store:
             ready = torch.cuda.Event()
             ready.record(caller)
             self._start_issuer()
-            self._issues.put((transfer, copy, side, ready, on_fail or on_done))
+            self._issues.put((transfer, copy, side, ready))
             return transfer.token
         try:
             side.wait_stream(caller)
@@ -115,7 +119,7 @@ class InflightTransfers:
             transfer.issued.set()
             with self._lock:
                 self.inflight.remove(transfer)
-                (on_fail or on_done)()
+                transfer.on_fail()
             raise
         transfer.issued.set()
         caller.wait_event(transfer.event)  # the forward pass reads what the load wrote
@@ -129,7 +133,7 @@ class InflightTransfers:
 
     def poll_locked(self) -> None:
         while self.inflight and self.inflight[0].finished():
-            self.inflight.popleft().on_done()
+            self.inflight.popleft().complete()
 
     def poll(self) -> None:
         with self._lock:
@@ -177,7 +181,7 @@ class InflightTransfers:
 
     def _issue_stores(self) -> None:
         while (item := self._issues.get()) is not None:
-            transfer, copy, side, ready, on_fail = item
+            transfer, copy, side, ready = item
             try:
                 with torch.cuda.device(side.device), torch.cuda.stream(side):
                     side.wait_event(ready)
@@ -185,6 +189,6 @@ class InflightTransfers:
                     transfer.event = side.record_event()
             except BaseException:  # never commit slots whose copies were not all enqueued
                 logger.exception("kvdepot: a store's copies could not be enqueued; its chunks are dropped")
-                transfer.on_done, transfer.event = on_fail, None
+                transfer.failed, transfer.event = True, None
             finally:
                 transfer.issued.set()
