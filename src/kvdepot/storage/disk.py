@@ -397,6 +397,11 @@ class DiskTier:
                 wait([header])  # never return while a helper still reads the caller's buffer
             os.close(fd)
 
+    def _header(self, head: memoryview, key: ChunkKey, n: int) -> codec.Header | None:
+        """``key``'s header in this namespace and the disk layout, for an ``n``-byte payload; else None."""
+        header = codec.read_header(head, self.namespace, key)
+        return header if header is not None and header.offset == OFFSET and header.length == n else None
+
     def _read_pieces(self, fd: int, key: ChunkKey, dst: memoryview, direct: bool) -> tuple[memoryview | None, bool]:
         """``_read`` of a long payload into ``dst``, ``READ_PIECE`` bytes at a time, while a helper
         checksums the pieces already read: the checksum pass hides behind the disk except for
@@ -406,8 +411,8 @@ class DiskTier:
         cut = n - n % ALIGN if direct else n  # O_DIRECT reads the last partial block into ``tail``
         if _transfer(os.preadv, fd, [head, dst[:READ_PIECE]], 0, OFFSET + READ_PIECE) < OFFSET + READ_PIECE:
             return None, True
-        header = codec.read_header(head, self.namespace, key)
-        if header is None or header.offset != OFFSET or header.length != n:
+        header = self._header(head, key, n)
+        if header is None:
             return None, True
         pieces: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         pieces.put(dst[:READ_PIECE])
@@ -470,8 +475,8 @@ class DiskTier:
                     return None, True  # shrunk while we read
                 if direct and cut < n:
                     dst[cut:] = tail[: n - cut]
-            header = codec.read_header(head, self.namespace, key)
-            if header is None or header.offset != OFFSET or header.length != n or not codec.verify(header, dst):
+            header = self._header(head, key, n)
+            if header is None or not codec.verify(header, dst):
                 return None, True
             return dst, False
         except OSError:
