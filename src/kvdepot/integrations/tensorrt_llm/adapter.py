@@ -29,6 +29,7 @@ from typing import Any
 
 from kvdepot.engine import CacheEngine, StoreHandle
 from kvdepot.integrations.planner import DeltaPlanner, SentState
+from kvdepot.integrations.saves import take_saved
 from kvdepot.integrations.tensorrt_llm.api import (
     KvCacheConnectorScheduler,
     KvCacheConnectorWorker,
@@ -266,14 +267,7 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         self._submit_saves()
         self._finishing.update(finished_gen_req_ids)
         loaded = self._progress_async_loads(started_loading_req_ids)
-        done = []
-        for rid in list(self._finishing):
-            state = self._requests.get(rid)
-            if state is None or all(h.done() for h in state.handles):
-                done.append(rid)
-                self._finishing.discard(rid)
-                self._requests.pop(rid, None)
-        return done, loaded
+        return take_saved(self._finishing, self._requests), loaded
 
     def _progress_async_loads(self, started: list[int]) -> list[int]:
         """Load the parked requests whose promotion finished (on the current stream's order)."""

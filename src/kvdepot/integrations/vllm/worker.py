@@ -19,6 +19,7 @@ from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvdepot.integrations.saves import take_saved
 from kvdepot.integrations.vllm.common import Setup, logger
 from kvdepot.integrations.vllm.layout import get_or_create_engine, views_from_kv_caches
 from kvdepot.integrations.vllm.metadata import KvDepotVllmMetadata, VllmRequestMeta
@@ -197,13 +198,7 @@ class Worker:
                 self._finishing.add(rid)
             else:
                 del self._requests[rid]
-        done = set()
-        for rid in list(self._finishing):
-            state = self._requests.get(rid)
-            if state is None or all(h.done() for h in state.handles):
-                done.add(rid)
-                self._finishing.discard(rid)
-                self._requests.pop(rid, None)
+        done = set(take_saved(self._finishing, self._requests))
         if done and self._engine is not None and self._setup.stats.path:
             self._setup.stats.write("finished", req=sorted(done), stats=self._stats())
         return done or None
