@@ -69,13 +69,16 @@ def _pair(run: list, staging: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return host, staging[stage_at : stage_at + size]
 
 
-def _as_words(t: torch.Tensor) -> torch.Tensor:
-    """View a 2-D uint8 tensor with the widest integer type its rows allow (fewer elements to index)."""
+def _as_words(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """View 2-D uint8 tensors with the widest integer type *all* of them allow (fewer elements to
+    index). One type for source and destination: a pool view and its staging region can differ in
+    alignment (views of unequal widths), and an ``index_select`` whose ``out`` has another width
+    does not fail — it resizes ``out`` into new memory and the staging window keeps stale bytes."""
     for dtype in _WORDS:
         size = dtype.itemsize
-        if t.shape[-1] % size == 0 and t.data_ptr() % size == 0:
-            return t.view(dtype)
-    return t
+        if all(t.shape[-1] % size == 0 and t.stride(0) % size == 0 and t.data_ptr() % size == 0 for t in tensors):
+            return [t.view(dtype) for t in tensors]
+    return list(tensors)
 
 
 @dataclass
@@ -141,7 +144,8 @@ class StagedBlockMover:
                 if lane.free[i] is not None:
                     caller.wait_event(lane.free[i])  # the window's previous copy has left it
                 for view, region in view_regions(views, staging):
-                    torch.index_select(_as_words(view), 0, idx, out=_as_words(region))
+                    source, out = _as_words(view, region)
+                    torch.index_select(source, 0, idx, out=out)
                 lane.copy.wait_stream(caller)
                 with torch.cuda.stream(lane.copy):
                     for host, stage in pairs:
@@ -155,7 +159,8 @@ class StagedBlockMover:
                         stage.copy_(host, non_blocking=True)
                 caller.wait_stream(lane.copy)
                 for view, region in view_regions(views, staging):
-                    _as_words(view).index_copy_(0, idx, _as_words(region))
+                    target, source = _as_words(view, region)
+                    target.index_copy_(0, idx, source)
                 lane.free[i] = caller.record_event()
         if to_host:
             caller.wait_stream(lane.copy)  # the caller's stream completes when the copies do
