@@ -13,11 +13,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdepot.transfer import TorchBlockMover, block_runs
+from kvdepot.transfer import MOVERS, TorchBlockMover, block_runs
 from kvdepot.transfer.base import view_regions
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float32, torch.int8]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+# Every mover on CUDA; on CPU they all fall back to the per-run copies, tested once.
+DEVICE_MOVERS = [("cpu", "runs")] + [pytest.param("cuda", name, marks=pytest.mark.gpu) for name in sorted(MOVERS)]
 
 
 def random_bytes(shape, gen: torch.Generator) -> torch.Tensor:
@@ -68,7 +70,8 @@ def cases(draw):
         kv=draw(st.sampled_from([1, 2])),
         elems=draw(st.integers(1, 24)),
         dtype=draw(st.sampled_from(DTYPES)),
-        per_layer=draw(st.booleans()),  # one view per layer (strided) or one cross-layer view
+        # one cross-layer view, one view per layer (strided), or two views of different widths
+        per_layer=draw(st.sampled_from([False, True, "uneven"])),
         ids=ids,
         first=draw(st.integers(0, 3)),
         spare=draw(st.integers(0, 2)),  # host positions after the copied ones
@@ -83,7 +86,9 @@ def make_pool(c, device):
     pool.view(torch.uint8).copy_(random_bytes(pool.view(torch.uint8).shape, gen))
     pool = pool.to(device)
     raw = pool.view(torch.uint8)
-    if c["per_layer"]:
+    if c["per_layer"] == "uneven" and c["layers"] > 1:  # segments of two sizes: layer 0, then the rest
+        views = [raw[:, :1].reshape(c["num_blocks"], -1), raw[:, 1:].reshape(c["num_blocks"], -1)]
+    elif c["per_layer"]:
         views = [raw[:, layer].reshape(c["num_blocks"], -1) for layer in range(c["layers"])]
     else:
         views = [raw.reshape(c["num_blocks"], -1)]
@@ -110,17 +115,17 @@ def regions(views, buf):
     return [region.cpu().clone() for _, region in view_regions(views, buf)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("device", "mover"), DEVICE_MOVERS)
 @settings(max_examples=60, deadline=None)
 @given(c=cases())
-def test_gather_copies_exactly_the_listed_blocks_into_the_host_buffer(device, c):
+def test_gather_copies_exactly_the_listed_blocks_into_the_host_buffer(device, mover, c):
     pool, views, gen = make_pool(c, device)
     pool_before = pool.view(torch.uint8).cpu().clone()
     block_bytes = sum(v.shape[1] for v in views)
     n, first = len(c["ids"]), c["first"]
     dst = host_buffer(first + n + c["spare"], block_bytes, gen, device)
     poison = regions(views, dst)
-    run_on_side_stream(device, lambda: TorchBlockMover().gather(views, c["ids"], dst, first))
+    run_on_side_stream(device, lambda: MOVERS[mover]().gather(views, c["ids"], dst, first))
     after = regions(views, dst)
     for view, before, region in zip(views, poison, after, strict=True):
         expected = before.clone()
@@ -130,21 +135,21 @@ def test_gather_copies_exactly_the_listed_blocks_into_the_host_buffer(device, c)
     assert torch.equal(pool.view(torch.uint8).cpu(), pool_before)  # a gather never writes the pool
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("device", "mover"), DEVICE_MOVERS)
 @settings(max_examples=60, deadline=None)
 @given(c=cases())
-def test_scatter_writes_exactly_the_listed_blocks_and_round_trips(device, c):
+def test_scatter_writes_exactly_the_listed_blocks_and_round_trips(device, mover, c):
     pool, views, gen = make_pool(c, device)
     original = pool.view(torch.uint8).cpu().clone()
     block_bytes = sum(v.shape[1] for v in views)
     n, first = len(c["ids"]), c["first"]
     buf = host_buffer(first + n + c["spare"], block_bytes, gen, device)
-    run_on_side_stream(device, lambda: TorchBlockMover().gather(views, c["ids"], buf, first))
+    run_on_side_stream(device, lambda: MOVERS[mover]().gather(views, c["ids"], buf, first))
     buf_after_gather = buf.clone()
     # Poison the whole pool, then load the blocks back from the host buffer.
     poison = random_bytes(pool.view(torch.uint8).shape, gen)
     pool.view(torch.uint8).copy_(poison.to(device))
-    run_on_side_stream(device, lambda: TorchBlockMover().scatter(buf, views, c["ids"], first))
+    run_on_side_stream(device, lambda: MOVERS[mover]().scatter(buf, views, c["ids"], first))
     now = pool.view(torch.uint8).cpu()  # checked through the pool itself, not the views
     listed = set(c["ids"])
     for b in range(c["num_blocks"]):
@@ -152,35 +157,40 @@ def test_scatter_writes_exactly_the_listed_blocks_and_round_trips(device, c):
     assert torch.equal(buf, buf_after_gather)  # a scatter never writes the host buffer
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_empty_block_lists_move_nothing(device):
+@pytest.mark.parametrize(("device", "mover"), DEVICE_MOVERS)
+def test_empty_block_lists_move_nothing(device, mover):
     c = dict(num_blocks=3, layers=1, kv=2, elems=4, dtype=torch.float16, per_layer=False, seed=1)
     pool, views, gen = make_pool(c, device)
     before = pool.view(torch.uint8).cpu().clone()
     buf = host_buffer(1, views[0].shape[1], gen, device)
     buf_before = buf.clone()
-    TorchBlockMover().gather(views, [], buf)
-    TorchBlockMover().scatter(buf, views, [])
+    MOVERS[mover]().gather(views, [], buf)
+    MOVERS[mover]().scatter(buf, views, [])
+    MOVERS[mover]().gather_many(views, [])
+    MOVERS[mover]().scatter_many([], views)
     assert torch.equal(pool.view(torch.uint8).cpu(), before) and torch.equal(buf, buf_before)
 
 
-# ---- the staged mover's pipelined windows (GPU) ---------------------------------------------------
+# ---- many chunks on two streams at once (GPU) ----------------------------------------------------
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("per_layer", [False, True])
+@pytest.mark.parametrize("mover_name", ["staged", "batch"])
+@pytest.mark.parametrize("per_layer", [False, True, "uneven"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_staged_windows_round_trip_many_chunks_through_two_lanes(per_layer, dtype):
-    """Windows far smaller than the batch: every window of both lanes is reused many times while
-    the previous copy may still run; stores and loads on two streams at once stay bit-exact."""
-    from kvdepot.transfer import StagedBlockMover
+def test_many_chunks_round_trip_on_two_streams_at_once(mover_name, per_layer, dtype):
+    """Staged: windows far smaller than the batch, so every window of both lanes is reused many
+    times while the previous copy may still run. Batch: many driver calls of a few copies each,
+    on two streams at once. Stores and loads stay bit-exact either way."""
+    from kvdepot.transfer import BatchBlockMover, StagedBlockMover
     from kvdepot.transfer.base import ChunkCopy
 
     c = dict(num_blocks=97, layers=3, kv=2, elems=40, dtype=dtype, per_layer=per_layer, seed=11)
     pool, views, gen = make_pool(c, "cuda")
     original = pool.view(torch.uint8).cpu().clone()
     block_bytes = sum(v.shape[1] for v in views)
-    mover = StagedBlockMover(window_bytes=3 * block_bytes)  # 1-3 blocks per window, >= 1 chunk
+    # 1-3 blocks per window (>= 1 chunk): many windows, many launches
+    mover = (StagedBlockMover if mover_name == "staged" else BatchBlockMover)(window_bytes=3 * block_bytes)
     ids = torch.randperm(97, generator=gen).tolist()
     sizes = [1, 3, 2, 5, 1, 4, 2, 3, 7, 1]  # odd chunk sizes; some exceed a window on their own
     chunks, at = [], 0
@@ -214,6 +224,20 @@ def test_staged_windows_round_trip_many_chunks_through_two_lanes(per_layer, dtyp
 
 
 # ---- the staged mover's copy plan (CPU: it is address arithmetic) ---------------------------------
+
+
+def test_staged_words_are_one_type_for_a_view_and_its_region():
+    """A view whose rows allow int64 and a staging region that allows only int16 (views of unequal
+    widths) must both be indexed as int16: an ``index_select`` into an ``out`` of another width
+    resizes ``out`` into new memory instead of failing, and the window would keep stale bytes."""
+    from kvdepot.transfer.staged import _as_words
+
+    view = torch.zeros(4, 64, dtype=torch.uint8)  # rows of 64 bytes: int64 on their own
+    region = torch.zeros(4 * 64 + 2, dtype=torch.uint8)[2:].view(4, 64)  # starts 2 bytes in
+    assert [t.dtype for t in _as_words(view)] == [torch.int64]
+    assert [t.dtype for t in _as_words(view, region)] == [torch.int16, torch.int16]
+    odd = torch.zeros(4, 66, dtype=torch.uint8)[:, :64]  # rows 66 bytes apart
+    assert [t.dtype for t in _as_words(odd)] == [torch.int16]
 
 
 def _slots(arena: torch.Tensor, count: int) -> list[torch.Tensor]:
@@ -268,3 +292,134 @@ def test_window_copies_move_exactly_each_chunks_part_and_merge_only_back_to_back
             for pos in range(now.shape[0]):
                 listed = cp.first <= pos < cp.first + len(cp.block_ids)
                 assert torch.equal(now[pos], was[pos] if listed else bad[pos]), (pos, listed)
+
+
+# ---- the batch mover's copy list (CPU: it is address arithmetic) --------------------------------
+
+
+def _execute(dst, src, sizes) -> None:
+    """What the driver does with a batch, done by the CPU on CPU addresses."""
+    import ctypes
+
+    for d, s_, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+        ctypes.memmove(d, s_, n)
+
+
+def _chunked(ids, data, per_block, gen, adjacent: bool):
+    """Split ids into chunks of random sizes at random first positions; ``adjacent``: the chunks'
+    buffers are back-to-back slices of one arena (so runs may cross chunk boundaries)."""
+    from kvdepot.transfer.base import ChunkCopy
+
+    sizes = []
+    while len(ids) > sum(sizes):
+        sizes.append(data.draw(st.integers(1, len(ids) - sum(sizes))))
+    firsts = [0 if adjacent else data.draw(st.integers(0, 2)) for _ in sizes]
+    lengths = [f + n + (0 if adjacent else data.draw(st.integers(0, 1))) for f, n in zip(firsts, sizes, strict=True)]
+    arena = random_bytes((sum(lengths) * per_block,), gen)
+    copies, at, used = [], 0, 0
+    for n, first, length in zip(sizes, firsts, lengths, strict=True):
+        host = arena[at * per_block : (at + length) * per_block]
+        copies.append(ChunkCopy(ids[used : used + n], host, first))
+        at, used = at + length, used + n
+    return copies
+
+
+@settings(max_examples=80, deadline=None)
+@given(c=cases(), data=st.data())
+def test_batch_copy_list_moves_exactly_what_the_reference_mover_moves(c, data):
+    """Executed on the CPU, ``copy_runs`` must do what the per-run mover does (the same host bytes
+    after a store, the same pool bytes after a load into poison) with one copy per maximal run of
+    blocks adjacent in both the pool and the host buffers."""
+    from kvdepot.transfer.base import ChunkCopy
+    from kvdepot.transfer.batch import copy_runs
+
+    pool, views, gen = make_pool(c, "cpu")
+    if data.draw(st.booleans()):  # consecutive ids in some chunks, so runs exist to merge
+        c["ids"] = sorted(c["ids"])
+    per_block = sum(v.shape[1] for v in views)
+    copies = _chunked(c["ids"], data, per_block, gen, adjacent=data.draw(st.booleans()))
+    reference = [ChunkCopy(cp.block_ids, cp.host.clone(), cp.first) for cp in copies]
+    TorchBlockMover().gather_many(views, reference)
+    pool_at, host_at, sizes = copy_runs(views, copies)
+    assert sizes.sum() == len(c["ids"]) * per_block
+    for k in range(len(sizes) - 1):  # maximal: no copy continues where the one before it ended
+        assert not (pool_at[k] + sizes[k] == pool_at[k + 1] and host_at[k] + sizes[k] == host_at[k + 1])
+    _execute(host_at, pool_at, sizes)
+    for ours, theirs in zip(copies, reference, strict=True):
+        assert torch.equal(ours.host, theirs.host)
+    raw = pool.view(torch.uint8)
+    poison = random_bytes(raw.shape, gen)
+    raw.copy_(poison)
+    _execute(pool_at, host_at, sizes)
+    ours = raw.clone()
+    raw.copy_(poison)
+    TorchBlockMover().scatter_many(reference, views)
+    assert torch.equal(ours, raw)
+
+
+def test_batch_copy_list_merges_blocks_adjacent_on_both_sides_across_chunks():
+    from kvdepot.transfer.base import ChunkCopy
+    from kvdepot.transfer.batch import copy_runs
+
+    pool = torch.zeros(10, 8, dtype=torch.uint8)
+    arena = torch.zeros(6 * 8, dtype=torch.uint8)
+    copies = [ChunkCopy([2, 3], arena[:16]), ChunkCopy([4, 7], arena[16:32]), ChunkCopy([8], arena[40:48])]
+    pool_at, host_at, sizes = copy_runs([pool], copies)
+    base, host = pool.data_ptr(), arena.data_ptr()
+    # 2,3,4 are one span on both sides; 7 and 8 are adjacent in the pool but not in the arena
+    assert list(zip(pool_at.tolist(), host_at.tolist(), sizes.tolist(), strict=True)) == [
+        (base + 16, host, 24), (base + 56, host + 24, 8), (base + 64, host + 40, 8)]
+
+
+def test_batch_call_refuses_the_default_stream_and_ragged_lists_before_touching_the_driver():
+    import numpy as np
+
+    from kvdepot.transfer import cuda_batch
+
+    one = np.array([1], dtype=np.uint64)
+    with pytest.raises(ValueError, match="default stream"):
+        cuda_batch.memcpy_batch(one, one, one, 0)
+    with pytest.raises(ValueError, match="differ in length"):
+        cuda_batch.memcpy_batch(one, np.array([1, 2], dtype=np.uint64), one, 7)
+    cuda_batch.memcpy_batch(one[:0], one[:0], one[:0], 7)  # nothing to copy: no driver needed
+
+
+def test_batch_mover_on_cpu_pools_is_the_per_run_mover():
+    from kvdepot.transfer import BatchBlockMover
+
+    c = dict(num_blocks=5, layers=2, kv=2, elems=6, dtype=torch.bfloat16, per_layer=True, seed=3)
+    pool, views, gen = make_pool(c, "cpu")
+    buf = host_buffer(4, sum(v.shape[1] for v in views), gen, "cpu")
+    expected = buf.clone()
+    TorchBlockMover().gather(views, [4, 0, 2], expected, 1)
+    BatchBlockMover().gather(views, [4, 0, 2], buf, 1)
+    assert torch.equal(buf, expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["pageable", "default stream"])
+def test_batch_mover_falls_back_where_the_driver_call_cannot_serve(where):
+    """Pageable host memory and the legacy default stream are not for the batch call: the move
+    still happens, bit-exact, by per-run torch copies."""
+    from kvdepot.transfer import BatchBlockMover
+
+    c = dict(num_blocks=6, layers=2, kv=2, elems=32, dtype=torch.float16, per_layer=False, seed=4)
+    pool, views, gen = make_pool(c, "cuda")
+    original = pool.view(torch.uint8).cpu().clone()
+    buf = random_bytes((3 * views[0].shape[1],), gen)
+    if where != "pageable":
+        buf = buf.pin_memory()
+    mover = BatchBlockMover()
+
+    def move(fn):
+        if where == "default stream":
+            fn()  # on torch's default stream
+        else:
+            run_on_side_stream("cuda", fn)
+        torch.cuda.synchronize()
+
+    move(lambda: mover.gather(views, [5, 1, 3], buf))
+    assert torch.equal(buf.view(3, -1), original[[5, 1, 3]].view(3, -1))
+    pool.view(torch.uint8).zero_()
+    move(lambda: mover.scatter(buf, views, [0, 2, 4]))
+    assert torch.equal(pool.view(torch.uint8).cpu()[[0, 2, 4]], original[[5, 1, 3]])

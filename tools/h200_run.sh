@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash tools/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp tiers pieces anatomy (default: tests transfer demo ttft mp). Output lands in $OUT.
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp tiers pieces anatomy uva hybrid batch movers (default: tests transfer demo ttft mp). Output lands in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -21,6 +21,9 @@ for step in $steps; do
         python3 -m kvdepot.cli bench transfer --layers 16 --head-dim 64 --tokens-per-block 8 --timeline
         python3 -m kvdepot.cli bench transfer --layers 16 --head-dim 64 --tokens-per-block 8 --tokens 2048 --timeline
       } 2>&1 | tee "$OUT/transfer.txt" ;;
+    movers) for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "--layers 16 --head-dim 64 --tokens-per-block 8" "--layers 16 --head-dim 64 --tokens-per-block 8 --tokens 2048"; do
+              for mover in batch staged; do python3 -m kvdepot.cli bench transfer $shape --mover $mover 2>&1 | grep -E "^(batch|staged) "; done
+            done | tee "$OUT/movers.txt" ;;
     transfer1b) python3 -m kvdepot.cli bench transfer --layers 16 --head-dim 64 --tokens-per-block 8 --mover staged 2>&1 | tee "$OUT/transfer1b.txt" ;;
     demo) python3 -m kvdepot.cli demo --model llama-1b --prompt-tokens 8192 2>&1 | tee "$OUT/demo.txt" ;;
     ttft) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --plot "$OUT/ttft.png" --json "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.txt" ;;
@@ -40,5 +43,14 @@ from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --dis
                python3 tools/transfer_anatomy.py --mover runs
                python3 tools/transfer_anatomy.py --layers 16 --head-dim 64 --tokens-per-block 8 --profile --trace "$OUT/trace_1b_staged.json"
              } 2>&1 | tee "$OUT/anatomy.txt" ;;
+    uva) { python3 tools/uva_probe.py --layers 16 --head-dim 64 --tokens-per-block 8
+           python3 tools/uva_probe.py
+           python3 tools/uva_probe.py --layers 16 --head-dim 64 --tokens-per-block 32
+         } 2>&1 | tee "$OUT/uva.txt" ;;
+    batch) for shape in ${BATCH_SHAPES:-"--layers 16 --head-dim 64 --tokens-per-block 8" "--layers 16 --head-dim 64 --tokens-per-block 32" "" "--tokens-per-block 8"}; do
+             python3 tools/uva_probe.py $shape --batch; done 2>&1 | tee "$OUT/batch.txt" ;;
+    hybrid) { python3 tools/uva_probe.py --layers 16 --head-dim 64 --tokens-per-block 8 --hybrid
+              python3 tools/uva_probe.py --hybrid
+            } 2>&1 | tee "$OUT/hybrid.txt" ;;
   esac
 done

@@ -35,14 +35,17 @@ from kvdepot.storage.host import HostTier
 from kvdepot.storage.manager import TierManager
 from kvdepot.storage.pinner import ArenaPinner
 from kvdepot.storage.promotions import Promotions
-from kvdepot.transfer import MOVERS
+from kvdepot.transfer import MOVERS, cuda_batch
 from kvdepot.transfer.base import BlockMover, ChunkCopy
 from kvdepot.transfer.inflight import InflightTransfers
 
 __all__ = ["STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "StoreHandle"]
 
-# Blocks at least this large already run a single DMA near the PCIe ceiling; smaller ones are
-# gathered on the device first (see transfer/staged.py).
+# Where the driver has a batched copy call, every block size goes as one DMA per run, a window
+# of them per call (transfer/batch.py): on the H200 (perf-notes, run O) it matched or beat the
+# staged mover at 256 KiB blocks and beat it from 1 MiB up, with no SMs and no staging memory.
+# Without that call, blocks of 2 MiB and more run a DMA each near the ceiling; smaller ones are
+# gathered on the device first (transfer/staged.py).
 STAGED_BELOW_BYTES = 2 << 20
 
 
@@ -399,6 +402,10 @@ class CacheEngine:
 
 
 def _pick_mover(name: str, layout: PoolLayout) -> BlockMover:
+    """``auto``: by block size, from the H200 measurements in docs/perf-notes.md (run O)."""
     if name == "auto":
-        name = "runs" if layout.bytes_per_block >= STAGED_BELOW_BYTES else "staged"
+        if cuda_batch.available():
+            name = "batch"
+        else:
+            name = "runs" if layout.bytes_per_block >= STAGED_BELOW_BYTES else "staged"
     return MOVERS[name]()

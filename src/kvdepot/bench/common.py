@@ -100,6 +100,51 @@ def paired_seconds(
     return statistics.median(ops), statistics.median(ceilings), ratio
 
 
+def compute_share(transfer: Callable[[], Any], seconds: float, device: torch.device, reps: int = 3) -> float:
+    """Throughput of a bf16 matmul loop on another stream while ``transfer`` runs, over alone (1.0:
+    the transfer costs compute nothing). Copy engines use no SMs; gather kernels and copying
+    kernels do, and this is the number that says how much. ``seconds``: how long one transfer takes (the loop is sized to
+    run inside it, after a GPU sleep that lets the transfer start first)."""
+    side = torch.cuda.Stream(device)
+    a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(a)
+
+    def loop(count: int, sleep_cycles: int = 0) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            if sleep_cycles:
+                torch.cuda._sleep(sleep_cycles)
+            start.record()
+            for _ in range(count):
+                torch.mm(a, a, out=out)
+            end.record()
+        return start, end
+
+    def elapsed(events: tuple[torch.cuda.Event, torch.cuda.Event]) -> float:
+        events[1].synchronize()
+        return events[0].elapsed_time(events[1]) / 1e3
+
+    elapsed(loop(3))  # warm-up (cuBLAS picks its kernel)
+    one = elapsed(loop(20)) / 20
+    sleep = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(side):
+        sleep[0].record()
+        torch.cuda._sleep(1 << 20)
+        sleep[1].record()
+    cycles_per_s = (1 << 20) / elapsed(sleep)
+    lead = 0.25 * seconds  # the matmuls start once the transfer's copies are under way
+    count = max(2, int(0.6 * seconds / one))
+    alone = statistics.median(elapsed(loop(count)) for _ in range(reps))
+    beside = []
+    for _ in range(reps):
+        events = loop(count, int(lead * cycles_per_s))
+        transfer()
+        beside.append(elapsed(events))
+        sync(device)
+    return alone / statistics.median(beside)
+
+
 def gpu_timeline(fn: Callable[[], Any]) -> dict[str, float]:
     """Where one call's wall time goes on the GPU, from a torch.profiler trace (CUDA only):
 

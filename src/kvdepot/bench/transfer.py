@@ -12,7 +12,14 @@ import random
 
 import torch
 
-from kvdepot.bench.common import Memcpy, device_name, gpu_timeline, paired_seconds, print_table
+from kvdepot.bench.common import (
+    Memcpy,
+    compute_share,
+    device_name,
+    gpu_timeline,
+    paired_seconds,
+    print_table,
+)
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 from kvdepot.transfer import MOVERS
@@ -69,7 +76,7 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
 
     # Keys and block ids are drawn before the clock starts: hashing is the scheduler's cost
     # (``bench lookup``), not the transfer's.
-    batches = [(fresh_keys(), ids()) for _ in range(4 + 4 * args.reps + 5)]
+    batches = [(fresh_keys(), ids()) for _ in range(4 + 4 * args.reps + 9)]
 
     def store(count: int = 1) -> None:
         pending = [(engine.store(None, block_ids, keys=keys), keys) for keys, block_ids in batches[-count:]]
@@ -87,6 +94,8 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
     # latency of one, which includes the hand-off to the engine's issuer thread.
     two_s, two_d2h_s, two_ratio = paired_seconds(lambda: store(2), lambda: (copies.d2h(), copies.d2h()),
                                                  device, args.reps, warmup=0)
+    # What one store costs a matmul running beside it (kernels occupy SMs; copy engines none).
+    share = compute_share(store, store_s, device) if device.type == "cuda" else float("nan")
     held = fresh_keys()
     engine.store(None, ids(), keys=held).wait()
 
@@ -122,6 +131,8 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
         {**common, "op": "retrieve", "GB/s": nbytes / load_s / 1e9, "memcpy GB/s": nbytes / h2d_s / 1e9, "ratio": load_ratio},
         {**common, "op": "both at once", "GB/s": 2 * nbytes / both_s / 1e9, "memcpy GB/s": 2 * nbytes / bidir_s / 1e9,
          "ratio": both_ratio},
+        # ratio here: matmul throughput beside a store over alone (1.0 = the store costs compute nothing)
+        {**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share},
     ]
     for row in rows:
         row.update(timeline.get(row["op"], {}))

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Protocol
 
+import numpy as np
 import torch
 
 
@@ -81,6 +83,21 @@ def view_regions(views: Sequence[torch.Tensor], buf: torch.Tensor) -> Iterator[t
         offset += n * seg
 
 
+def windows(copies: Sequence[ChunkCopy], per_block: int, window_bytes: int) -> list[list[ChunkCopy]]:
+    """Split a batch into consecutive windows of at most ``window_bytes`` (at least one chunk each):
+    movers issue window by window, so the first copies run while later ones are prepared."""
+    out: list[list[ChunkCopy]] = []
+    size = 0
+    for c in copies:
+        need = len(c.block_ids) * per_block
+        if not out or size + need > window_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(c)
+        size += need
+    return out
+
+
 def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """Split block ids into runs of consecutive ids: ``(position, first_id, length)``.
 
@@ -95,3 +112,28 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((pos, bid, 1))
     return runs
+
+
+def block_addresses(
+    views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]
+) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Per pool view: ``(segment bytes, pool addresses, host addresses)`` of every listed block.
+
+    Block ``copies[k].block_ids[i]`` of view ``v`` lives at ``view.data_ptr() + id * stride`` in
+    the pool, and at position ``first + i`` of view ``v``'s region of the chunk's view-major host
+    buffer (``view_regions``). Pure address arithmetic, vectorised over all chunks, for movers
+    that hand a driver one list of copies instead of making a tensor per copy."""
+    per_block = sum(v.shape[1] for v in views)
+    n = len(copies)
+    counts = np.fromiter((len(c.block_ids) for c in copies), np.int64, n)
+    total = int(counts.sum())
+    ids = np.fromiter(chain.from_iterable(c.block_ids for c in copies), np.int64, total)
+    starts = np.cumsum(counts) - counts
+    position = np.arange(total, dtype=np.int64) + np.repeat(np.fromiter((c.first for c in copies), np.int64, n) - starts, counts)
+    host = np.repeat(np.fromiter((c.host.data_ptr() for c in copies), np.int64, n), counts)
+    slot_blocks = np.repeat(np.fromiter((c.host.numel() // per_block for c in copies), np.int64, n), counts)
+    prefix = 0
+    for view in views:
+        seg = view.shape[1]
+        yield seg, view.data_ptr() + ids * view.stride(0), host + prefix * slot_blocks + position * seg
+        prefix += seg

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvdepot.transfer.base import ChunkCopy, view_regions
+from kvdepot.transfer.base import ChunkCopy, view_regions, windows
 from kvdepot.transfer.torch_mover import TorchBlockMover
 
 _WORDS = (torch.int64, torch.int32, torch.int16)
@@ -135,7 +135,7 @@ class StagedBlockMover:
         per_block = sum(v.shape[1] for v in views)
         index = self._index([b for c in copies for b in c.block_ids], device)  # one upload per batch
         start = 0
-        for w, window in enumerate(self._windows(per_block, copies)):
+        for w, window in enumerate(windows(copies, per_block, self.window_bytes)):
             i, n = w % 2, sum(len(c.block_ids) for c in window)
             staging = lane.window(i, n * per_block, device)
             idx, start = index[start : start + n], start + n
@@ -171,19 +171,6 @@ class StagedBlockMover:
         if lane is None:
             lane = self._lanes[key] = _Lane(torch.cuda.Stream(device))
         return lane
-
-    def _windows(self, per_block: int, copies: Sequence[ChunkCopy]) -> list[list[ChunkCopy]]:
-        """Split copies into windows of at most ``window_bytes`` (at least one chunk each)."""
-        windows: list[list[ChunkCopy]] = []
-        size = 0
-        for c in copies:
-            need = len(c.block_ids) * per_block
-            if not windows or size + need > self.window_bytes:
-                windows.append([])
-                size = 0
-            windows[-1].append(c)
-            size += need
-        return windows
 
     @staticmethod
     def _index(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
