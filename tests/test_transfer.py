@@ -371,6 +371,25 @@ def test_batch_copy_list_merges_blocks_adjacent_on_both_sides_across_chunks():
         (base + 16, host, 24), (base + 56, host + 24, 8), (base + 64, host + 40, 8)]
 
 
+def test_batch_copy_list_never_joins_two_allocations_that_lie_back_to_back():
+    """Two pinned arena segments can sit next to each other in the address space; one copy
+    spanning both is refused by the driver (CUDA_ERROR_INVALID_VALUE) and the store is lost."""
+    import numpy as np
+
+    from kvdepot.transfer.base import ChunkCopy
+    from kvdepot.transfer.batch import copy_runs
+
+    pool = torch.zeros(10, 8, dtype=torch.uint8)
+    memory = np.zeros(32, dtype=np.uint8)
+    first, second = torch.from_numpy(memory[:16]), torch.from_numpy(memory[16:])  # two storages, adjacent
+    assert first.data_ptr() + 16 == second.data_ptr()
+    assert first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr()
+    _, host_at, sizes = copy_runs([pool], [ChunkCopy([2, 3], first), ChunkCopy([4, 5], second)])
+    assert sizes.tolist() == [16, 16] and host_at.tolist() == [first.data_ptr(), second.data_ptr()]
+    one = torch.from_numpy(memory)  # the same bytes as one allocation: one copy
+    assert copy_runs([pool], [ChunkCopy([2, 3], one[:16]), ChunkCopy([4, 5], one[16:])])[2].tolist() == [32]
+
+
 def test_batch_call_refuses_the_default_stream_and_ragged_lists_before_touching_the_driver():
     import numpy as np
 

@@ -28,7 +28,8 @@ for step in $steps; do
     demo) python3 -m kvdepot.cli demo --model llama-1b --prompt-tokens 8192 2>&1 | tee "$OUT/demo.txt" ;;
     ttft) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --plot "$OUT/ttft.png" --json "$OUT/ttft.json" 2>&1 | tee "$OUT/ttft.txt" ;;
     ttft4k) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --lengths 4096 2>&1 | tee "$OUT/ttft4k.txt" ;;
-    ttftmp) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes mp --lengths 4096,32768 2>&1 | tee "$OUT/ttftmp.txt" ;;
+    ttftmp) KVD_BENCH_SERVER_LOG=$OUT/server.log KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes mp --lengths ${TTFT_LENGTHS:-4096,16384,32768} 2>&1 | tee "$OUT/ttftmp.txt"
+            tail -20 "$OUT/server.log" ;;
     mp) { python3 -m kvdepot.cli bench mp --lookups 5000
           python3 -m kvdepot.cli bench mp --blocks 64 --lookups 500
         } 2>&1 | tee "$OUT/mp.txt" ;;

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -24,8 +25,12 @@ def running_server(*args: str, timeout_s: float = 120.0) -> Iterator[str]:
     """Yield the URL of a fresh server (``args`` are its flags) once it answers HELLO."""
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))  # short: socket paths are limited
     url = f"ipc://{workdir}/server.sock"
+    # KVD_BENCH_SERVER_LOG: a file for the server's warnings (default: dropped; not a KVDEPOT_ name,
+    # which the config would refuse as an unknown key)
+    log_path = os.environ.get("KVD_BENCH_SERVER_LOG")
+    log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "kvdepot.server", "--url", url, "--log-level", "WARNING", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=log)
     probe = DepotClient(url, timeout_s=5.0, heartbeat_s=3600.0, name="bench-probe", connect=False, log_outages=False)
     try:
         deadline = time.monotonic() + timeout_s
@@ -43,5 +48,7 @@ def running_server(*args: str, timeout_s: float = 120.0) -> Iterator[str]:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+        if log is not subprocess.DEVNULL:
+            log.close()
             proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -226,6 +226,9 @@ def run(args: argparse.Namespace) -> dict:
         kv_gb = 2.5 * max(lengths) * _kv_bytes_per_token(args) / 1e9
         with running_server("--chunk-size", "256", "--host-capacity-gb", f"{max(kv_gb, 0.05):.3f}") as url:
             hits += _hits(args, lengths, h2d, server_url=url)
+            from kvdepot.server.client import print_stats
+
+            print_stats(url)  # the server's tier counters after the MP rows (drops, evictions, pins)
     print_table(title, hits)
     misses = _misses(args)
     print_table(f"0% reuse: {args.miss_prompts} distinct prompts of {args.miss_length} tokens, {args.decode_tokens} new tokens each", misses)

@@ -116,8 +116,10 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
 
 def block_addresses(
     views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]
-) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Per pool view: ``(segment bytes, pool addresses, host addresses)`` of every listed block.
+) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """Per pool view: ``(segment bytes, pool addresses, host addresses, host allocations)`` of
+    every listed block; the last array names each block's host allocation (its storage's base
+    address), so that callers never join two allocations that merely lie back to back.
 
     Block ``copies[k].block_ids[i]`` of view ``v`` lives at ``view.data_ptr() + id * stride`` in
     the pool, and at position ``first + i`` of view ``v``'s region of the chunk's view-major host
@@ -131,9 +133,10 @@ def block_addresses(
     starts = np.cumsum(counts) - counts
     position = np.arange(total, dtype=np.int64) + np.repeat(np.fromiter((c.first for c in copies), np.int64, n) - starts, counts)
     host = np.repeat(np.fromiter((c.host.data_ptr() for c in copies), np.int64, n), counts)
+    allocation = np.repeat(np.fromiter((c.host.untyped_storage().data_ptr() for c in copies), np.int64, n), counts)
     slot_blocks = np.repeat(np.fromiter((c.host.numel() // per_block for c in copies), np.int64, n), counts)
     prefix = 0
     for view in views:
         seg = view.shape[1]
-        yield seg, view.data_ptr() + ids * view.stride(0), host + prefix * slot_blocks + position * seg
+        yield seg, view.data_ptr() + ids * view.stride(0), host + prefix * slot_blocks + position * seg, allocation
         prefix += seg

@@ -33,12 +33,20 @@ WINDOW_BYTES = 64 << 20
 def copy_runs(views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(pool addresses, host addresses, sizes)``: one entry per maximal run of listed block
     segments that follow each other both in the pool and in the host buffers (one contiguous
-    span on each side), over all views in order."""
-    parts = [(pool, host, np.full(len(pool), seg, dtype=np.int64)) for seg, pool, host in block_addresses(views, copies)]
-    pool, host, size = (np.concatenate(column) for column in zip(*parts, strict=True))
+    span on each side), over all views in order.
+
+    A run never crosses from one allocation into another, even where two lie back to back in
+    the address space (pinned arena segments often do): the driver refuses such a copy
+    (CUDA_ERROR_INVALID_VALUE, seen on the H200 as dropped stores in the MP server)."""
+    parts = []
+    for v, (seg, pool, host, host_alloc) in enumerate(block_addresses(views, copies)):
+        pool_alloc = np.full(len(pool), views[v].untyped_storage().data_ptr(), dtype=np.int64)
+        parts.append((pool, host, np.full(len(pool), seg, dtype=np.int64), pool_alloc, host_alloc))
+    pool, host, size, pool_alloc, host_alloc = (np.concatenate(column) for column in zip(*parts, strict=True))
     if not len(pool):
         return pool, host, size
-    breaks = np.flatnonzero((pool[:-1] + size[:-1] != pool[1:]) | (host[:-1] + size[:-1] != host[1:])) + 1
+    breaks = np.flatnonzero((pool[:-1] + size[:-1] != pool[1:]) | (host[:-1] + size[:-1] != host[1:])
+                            | (pool_alloc[:-1] != pool_alloc[1:]) | (host_alloc[:-1] != host_alloc[1:])) + 1
     starts = np.concatenate(([0], breaks))
     return pool[starts], host[starts], np.add.reduceat(size, starts)
 
