@@ -415,6 +415,44 @@ def test_batch_mover_on_cpu_pools_is_the_per_run_mover():
     assert torch.equal(buf, expected)
 
 
+def test_batch_mover_copies_a_refused_window_with_torch_and_counts_it(monkeypatch, caplog):
+    """A window the driver refuses is done again by per-run copies: a store is not lost and a
+    load never leaves the pool unwritten (TensorRT-LLM could not hear of a failed load)."""
+    from kvdepot.transfer import BatchBlockMover, cuda_batch
+    from kvdepot.transfer.base import ChunkCopy
+
+    calls = []
+
+    def refuse(dst, src, sizes, stream):
+        calls.append(len(sizes))
+        if len(calls) % 2:  # every other window refused
+            raise RuntimeError("cuMemcpyBatchAsync_v2 failed: CUDA_ERROR_INVALID_VALUE (1)")
+        import ctypes
+
+        for d, s_, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(d, s_, n)
+
+    c = dict(num_blocks=12, layers=2, kv=2, elems=16, dtype=torch.float16, per_layer=True, seed=9)
+    pool, views, gen = make_pool(c, "cpu")
+    per_block = sum(v.shape[1] for v in views)
+    mover = BatchBlockMover(window_bytes=2 * per_block)
+    monkeypatch.setattr(BatchBlockMover, "_stream", staticmethod(lambda views, copies: 7))  # as if on CUDA
+    monkeypatch.setattr(cuda_batch, "memcpy_batch", refuse)
+    ids = torch.randperm(12, generator=gen).tolist()
+    copies = [ChunkCopy(ids[k : k + 2], random_bytes((3 * per_block,), gen), k % 2) for k in range(0, 12, 2)]
+    expected = [ChunkCopy(cp.block_ids, cp.host.clone(), cp.first) for cp in copies]
+    TorchBlockMover().gather_many(views, expected)
+    with caplog.at_level("WARNING", logger="kvdepot"):
+        mover.gather_many(views, copies)
+    assert len(calls) == 6 and mover.refused == 3 and "refused a batched copy" in caplog.text
+    for ours, theirs in zip(copies, expected, strict=True):
+        assert torch.equal(ours.host, theirs.host)
+    original = pool.view(torch.uint8).clone()
+    pool.view(torch.uint8).zero_()
+    mover.scatter_many(copies, views)
+    assert torch.equal(pool.view(torch.uint8), original) and mover.refused == 6
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("where", ["pageable", "default stream"])
 def test_batch_mover_falls_back_where_the_driver_call_cannot_serve(where):

@@ -12,12 +12,13 @@ more; for 256 KiB blocks the copy engines' cost per copy makes the staged mover'
 copy as good or better, and ``auto`` picks by block size.
 
 Falls back to the per-run torch copies where the batch call cannot be used: CPU pools, a caller
-on the legacy default stream, and host buffers that are not pinned (torch copies those correctly,
-synchronously).
+on the legacy default stream, host buffers that are not pinned (torch copies those correctly,
+synchronously), and any window the driver refuses (logged and counted in ``refused``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +29,7 @@ from kvdepot.transfer.base import ChunkCopy, block_addresses, windows
 from kvdepot.transfer.torch_mover import TorchBlockMover
 
 WINDOW_BYTES = 64 << 20
+logger = logging.getLogger("kvdepot")
 
 
 def copy_runs(views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,6 +58,7 @@ class BatchBlockMover:
 
     def __init__(self, window_bytes: int = WINDOW_BYTES) -> None:
         self.window_bytes = window_bytes
+        self.refused = 0  # batches the driver refused (each then copied by torch)
         self._fallback = TorchBlockMover()
 
     def gather(
@@ -71,20 +74,36 @@ class BatchBlockMover:
             self.scatter_many([ChunkCopy(block_ids, src, first)], views)
 
     def gather_many(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> None:
-        stream = self._stream(views, copies)
-        if stream is None:
-            return self._fallback.gather_many(views, copies)
-        for window in windows(copies, sum(v.shape[1] for v in views), self.window_bytes):
-            pool, host, sizes = copy_runs(views, window)
-            cuda_batch.memcpy_batch(host, pool, sizes, stream)
+        self._move(views, copies, to_host=True)
 
     def scatter_many(self, copies: Sequence[ChunkCopy], views: Sequence[torch.Tensor]) -> None:
+        self._move(views, copies, to_host=False)
+
+    def _move(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy], *, to_host: bool) -> None:
         stream = self._stream(views, copies)
-        if stream is None:
-            return self._fallback.scatter_many(copies, views)
-        for window in windows(copies, sum(v.shape[1] for v in views), self.window_bytes):
-            pool, host, sizes = copy_runs(views, window)
-            cuda_batch.memcpy_batch(pool, host, sizes, stream)
+        for window in windows(copies, sum(v.shape[1] for v in views), self.window_bytes) if stream else [copies]:
+            if stream is not None:
+                pool, host, sizes = copy_runs(views, window)
+                try:
+                    cuda_batch.memcpy_batch(*((host, pool) if to_host else (pool, host)), sizes, stream)
+                    continue
+                except RuntimeError as exc:
+                    self._refused(exc)
+            # Per-run torch copies of the same bytes on the same stream. Also after a refused
+            # batch: the driver checks a batch before it runs any of it, and copying a block
+            # twice writes the same bytes, so the window is simply done again, the slow way.
+            if to_host:
+                self._fallback.gather_many(views, window)
+            else:
+                self._fallback.scatter_many(window, views)
+
+    def _refused(self, exc: RuntimeError) -> None:
+        """A batch the driver refused: never a lost store or a load that leaves garbage in the
+        pool (TensorRT-LLM has no way to hear of a failed load); loud, and counted."""
+        self.refused += 1
+        if self.refused == 1 or self.refused % 1000 == 0:
+            logger.warning("kvdepot: the driver refused a batched copy (%s); copied with torch instead "
+                           "(%d refused so far)", exc, self.refused)
 
     @staticmethod
     def _stream(views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> int | None:
