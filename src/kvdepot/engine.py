@@ -388,6 +388,7 @@ class CacheEngine:
             # An unpinned (CPU) arena grows on demand: nothing is pending for it.
             s.host_pending_chunks = self.host.num_slots - self.host.allocated_slots if self.host.pin_memory else 0
             s.promoting = self._promotions.running
+            s.refused_batches = getattr(self.mover, "refused", 0)
             s.lower = self.lower.stats().tiers if self.lower is not None else []
             return EngineStats(**{**vars(s), "lower": list(s.lower)})
 

@@ -207,6 +207,7 @@ def test_prometheus_endpoint(workdir):
             c.close()
     assert 'kvdepot_hits_total{model="metrics",rank="0"} 5.0' in body
     assert "kvdepot_clients 1.0" in body and "kvdepot_store_gbps" in body and "kvdepot_live_leases" in body
+    assert 'kvdepot_refused_batches_total{model="metrics",rank="0"} 0.0' in body
 
 
 def test_copy_past_its_deadline_is_refused(server_url, client, workdir):

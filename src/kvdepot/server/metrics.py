@@ -7,6 +7,7 @@ No second set of counters is kept: each scrape reads ``DepotService.snapshot()``
 are the same ones ``kvdepot stats`` prints. Series (label ``model`` and ``rank`` per shard):
 kvdepot_hits_total, kvdepot_misses_total, kvdepot_lookups_total, kvdepot_bytes_stored_total,
 kvdepot_bytes_loaded_total, kvdepot_store_gbps, kvdepot_load_gbps, kvdepot_evictions_total,
+kvdepot_dropped_stores_total, kvdepot_refused_batches_total,
 kvdepot_live_leases, kvdepot_pinned_chunks, kvdepot_host_chunks; and kvdepot_clients,
 kvdepot_mappings, kvdepot_prefetches for the whole server.
 """
@@ -19,7 +20,8 @@ from typing import Any
 from kvdepot.server.protocol import StatsReply
 
 _COUNTERS = {"hits": "hits", "misses": "misses", "lookups": "lookups", "bytes_stored": "bytes_stored",
-             "bytes_loaded": "bytes_loaded", "evictions": "evictions", "dropped_stores": "dropped_stores"}
+             "bytes_loaded": "bytes_loaded", "evictions": "evictions", "dropped_stores": "dropped_stores",
+             "refused_batches": "refused_batches"}
 _GAUGES = {"live_leases": "live_leases", "pinned_chunks": "pinned_chunks", "host_chunks": "host_chunks",
            "host_capacity_chunks": "host_capacity_chunks", "host_pending_chunks": "host_pending_chunks"}
 
