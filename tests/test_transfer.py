@@ -415,21 +415,23 @@ def test_batch_mover_on_cpu_pools_is_the_per_run_mover():
     assert torch.equal(buf, expected)
 
 
-def test_batch_mover_copies_a_refused_window_with_torch_and_counts_it(monkeypatch, caplog):
-    """A window the driver refuses is done again by per-run copies: a store is not lost and a
-    load never leaves the pool unwritten (TensorRT-LLM could not hear of a failed load)."""
+@pytest.mark.parametrize("refuse_call", [None, 1, 3])
+def test_batch_mover_redoes_a_refused_move_with_torch_and_counts_it(monkeypatch, caplog, refuse_call):
+    """A move the driver refuses part of is done again by per-run copies: a store is not lost and
+    a load never leaves the pool unwritten (TensorRT-LLM could not hear of a failed load). The
+    windows it did hand over partition the copy list in order."""
+    import ctypes
+
     from kvdepot.transfer import BatchBlockMover, cuda_batch
     from kvdepot.transfer.base import ChunkCopy
 
     calls = []
 
-    def refuse(dst, src, sizes, stream):
-        calls.append(len(sizes))
-        if len(calls) % 2:  # every other window refused
+    def driver(dst, src, sizes, stream):
+        calls.append((dst.tolist(), src.tolist(), sizes.tolist()))
+        if len(calls) == refuse_call:
             raise RuntimeError("cuMemcpyBatchAsync_v2 failed: CUDA_ERROR_INVALID_VALUE (1)")
-        import ctypes
-
-        for d, s_, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+        for d, s_, n in zip(*calls[-1], strict=True):
             ctypes.memmove(d, s_, n)
 
     c = dict(num_blocks=12, layers=2, kv=2, elems=16, dtype=torch.float16, per_layer=True, seed=9)
@@ -437,20 +439,35 @@ def test_batch_mover_copies_a_refused_window_with_torch_and_counts_it(monkeypatc
     per_block = sum(v.shape[1] for v in views)
     mover = BatchBlockMover(window_bytes=2 * per_block)
     monkeypatch.setattr(BatchBlockMover, "_stream", staticmethod(lambda views, copies: 7))  # as if on CUDA
-    monkeypatch.setattr(cuda_batch, "memcpy_batch", refuse)
+    monkeypatch.setattr(cuda_batch, "memcpy_batch", driver)
     ids = torch.randperm(12, generator=gen).tolist()
     copies = [ChunkCopy(ids[k : k + 2], random_bytes((3 * per_block,), gen), k % 2) for k in range(0, 12, 2)]
     expected = [ChunkCopy(cp.block_ids, cp.host.clone(), cp.first) for cp in copies]
     TorchBlockMover().gather_many(views, expected)
     with caplog.at_level("WARNING", logger="kvdepot"):
         mover.gather_many(views, copies)
-    assert len(calls) == 6 and mover.refused == 3 and "refused a batched copy" in caplog.text
     for ours, theirs in zip(copies, expected, strict=True):
         assert torch.equal(ours.host, theirs.host)
+    if refuse_call is None:
+        assert mover.refused == 0 and len(calls) > 1
+        assert sum(sum(sizes) for _, _, sizes in calls) == 12 * per_block
+        assert all(sum(sizes) <= 2 * per_block for _, _, sizes in calls)
+    else:
+        assert len(calls) == refuse_call and mover.refused == 1 and "refused a batched copy" in caplog.text
     original = pool.view(torch.uint8).clone()
     pool.view(torch.uint8).zero_()
     mover.scatter_many(copies, views)
-    assert torch.equal(pool.view(torch.uint8), original) and mover.refused == 6
+    assert torch.equal(pool.view(torch.uint8), original)
+
+
+def test_window_bounds_partition_the_copies_in_order():
+    import numpy as np
+
+    from kvdepot.transfer.batch import window_bounds
+
+    assert window_bounds(np.array([], dtype=np.int64), 10) == []
+    assert window_bounds(np.array([4, 4, 4, 4, 25, 1, 9]), 10) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert window_bounds(np.array([10, 10, 10]), 10) == [(0, 1), (1, 2), (2, 3)]
 
 
 @pytest.mark.gpu

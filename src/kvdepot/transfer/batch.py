@@ -7,13 +7,13 @@ pool and the host buffer into one copy, and enqueues a window's copies with a si
 ``cuMemcpyBatchAsync`` (``cuda_batch``). No staging memory, no kernels, no SMs: copy engines only.
 
 Windows (64 MiB, like the staged mover's) keep the first copies running while later windows are
-prepared. Measured on the H200 (perf-notes, run O): best of the movers for blocks of 1 MiB and
+handed over. Measured on the H200 (perf-notes, run O): best of the movers for blocks of 1 MiB and
 more; for 256 KiB blocks the copy engines' cost per copy makes the staged mover's gather-then-
 copy as good or better, and ``auto`` picks by block size.
 
 Falls back to the per-run torch copies where the batch call cannot be used: CPU pools, a caller
 on the legacy default stream, host buffers that are not pinned (torch copies those correctly,
-synchronously), and any window the driver refuses (logged and counted in ``refused``).
+synchronously), and any move the driver refuses part of (logged and counted in ``refused``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvdepot.transfer import cuda_batch
-from kvdepot.transfer.base import ChunkCopy, block_addresses, windows
+from kvdepot.transfer.base import ChunkCopy, block_addresses
 from kvdepot.transfer.torch_mover import TorchBlockMover
 
 WINDOW_BYTES = 64 << 20
@@ -51,6 +51,16 @@ def copy_runs(views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> tup
                             | (pool_alloc[:-1] != pool_alloc[1:]) | (host_alloc[:-1] != host_alloc[1:])) + 1
     starts = np.concatenate(([0], breaks))
     return pool[starts], host[starts], np.add.reduceat(size, starts)
+
+
+def window_bounds(sizes: np.ndarray, window_bytes: int) -> list[tuple[int, int]]:
+    """Consecutive ``[lo, hi)`` slices of the copies, about ``window_bytes`` each: a copy belongs
+    to the window its last byte falls in (so a copy larger than a window ends one)."""
+    if not len(sizes):
+        return []
+    window = (np.cumsum(sizes) - 1) // window_bytes
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(window)) + 1, [len(sizes)]))
+    return [(int(lo), int(hi)) for lo, hi in zip(starts[:-1], starts[1:], strict=True)]
 
 
 class BatchBlockMover:
@@ -81,21 +91,25 @@ class BatchBlockMover:
 
     def _move(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy], *, to_host: bool) -> None:
         stream = self._stream(views, copies)
-        for window in windows(copies, sum(v.shape[1] for v in views), self.window_bytes) if stream else [copies]:
-            if stream is not None:
-                pool, host, sizes = copy_runs(views, window)
-                try:
-                    cuda_batch.memcpy_batch(*((host, pool) if to_host else (pool, host)), sizes, stream)
-                    continue
-                except RuntimeError as exc:
-                    self._refused(exc)
-            # Per-run torch copies of the same bytes on the same stream. Also after a refused
-            # batch: the driver checks a batch before it runs any of it, and copying a block
-            # twice writes the same bytes, so the window is simply done again, the slow way.
-            if to_host:
-                self._fallback.gather_many(views, window)
-            else:
-                self._fallback.scatter_many(window, views)
+        if stream is not None:
+            # Addresses for the whole batch in one pass, then one driver call per window: built
+            # window by window they cost 2-8x the host time (numpy's per-call overhead, 16
+            # windows per GiB at 4 MiB blocks), and a store and a load share one GIL.
+            pool, host, sizes = copy_runs(views, copies)
+            src, dst = (pool, host) if to_host else (host, pool)
+            try:
+                for lo, hi in window_bounds(sizes, self.window_bytes):
+                    cuda_batch.memcpy_batch(dst[lo:hi], src[lo:hi], sizes[lo:hi], stream)
+                return
+            except RuntimeError as exc:
+                self._refused(exc)
+        # Per-run torch copies of the same bytes on the same stream. Also after a refused batch:
+        # the driver checks a batch before it runs any of it, and a block copied twice gets the
+        # same bytes, so the whole move is simply done again, the slow way.
+        if to_host:
+            self._fallback.gather_many(views, copies)
+        else:
+            self._fallback.scatter_many(copies, views)
 
     def _refused(self, exc: RuntimeError) -> None:
         """A batch the driver refused: never a lost store or a load that leaves garbage in the
