@@ -497,3 +497,42 @@ def test_batch_mover_falls_back_where_the_driver_call_cannot_serve(where):
     pool.view(torch.uint8).zero_()
     move(lambda: mover.scatter(buf, views, [0, 2, 4]))
     assert torch.equal(pool.view(torch.uint8).cpu()[[0, 2, 4]], original[[5, 1, 3]])
+
+
+@pytest.mark.gpu
+def test_batch_mover_never_spans_two_host_registrations_that_touch():
+    """Two pinned allocations back to back in the address space (two cudaHostRegister calls on
+    the halves of one buffer: what adjacent arena segments looked like in the MP server). Blocks
+    consecutive in the pool and across the two halves must go as two copies: the driver refuses
+    one copy spanning both (before the fix: dropped stores). Nothing refused, bytes exact."""
+    import numpy as np
+
+    from kvdepot.transfer import BatchBlockMover, cuda_batch
+    from kvdepot.transfer.base import ChunkCopy
+
+    if not cuda_batch.available():
+        pytest.skip("this driver has no cuMemcpyBatchAsync_v2")
+    c = dict(num_blocks=8, layers=2, kv=2, elems=1024, dtype=torch.bfloat16, per_layer=False, seed=12)
+    pool, views, gen = make_pool(c, "cuda")
+    seg = views[0].shape[1]
+    raw = np.zeros(4 * seg + 4096, dtype=np.uint8)
+    memory = raw[-raw.ctypes.data % 4096 :][: 4 * seg]  # page-aligned halves (seg is 8 KiB): no shared page
+    halves = [torch.from_numpy(memory[: 2 * seg]), torch.from_numpy(memory[2 * seg :])]
+    cudart = torch.cuda.cudart()
+    for half in halves:
+        assert int(cudart.cudaHostRegister(half.data_ptr(), half.numel(), 0)) == 0
+    try:
+        assert all(h.is_pinned() for h in halves)
+        mover = BatchBlockMover()
+        copies = [ChunkCopy([2, 3], halves[0]), ChunkCopy([4, 5], halves[1])]  # pool 2..5: one span
+        run_on_side_stream("cuda", lambda: mover.gather_many(views, copies))
+        assert mover.refused == 0
+        assert torch.equal(torch.from_numpy(memory).view(4, seg), pool.view(torch.uint8).cpu().view(8, seg)[2:6])
+        pool.view(torch.uint8).zero_()
+        run_on_side_stream("cuda", lambda: mover.scatter_many(copies, views))
+        assert mover.refused == 0
+        assert torch.equal(pool.view(torch.uint8).cpu().view(8, seg)[2:6], torch.from_numpy(memory).view(4, seg))
+    finally:
+        torch.cuda.synchronize()
+        for half in halves:
+            cudart.cudaHostUnregister(half.data_ptr())
