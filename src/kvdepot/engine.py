@@ -403,7 +403,8 @@ class CacheEngine:
 
 
 def _pick_mover(name: str, layout: PoolLayout) -> BlockMover:
-    """``auto``: by block size, from the H200 measurements in docs/perf-notes.md (run O)."""
+    """``auto``: the batch mover where the driver has its call, else by block size (the H200
+    measurements in docs/perf-notes.md, run O)."""
     if name == "auto":
         if cuda_batch.available():
             name = "batch"

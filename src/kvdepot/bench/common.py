@@ -103,8 +103,8 @@ def paired_seconds(
 def compute_share(transfer: Callable[[], Any], seconds: float, device: torch.device, reps: int = 3) -> float:
     """Throughput of a bf16 matmul loop on another stream while ``transfer`` runs, over alone (1.0:
     the transfer costs compute nothing). Copy engines use no SMs; gather kernels and copying
-    kernels do, and this is the number that says how much. ``seconds``: how long one transfer takes (the loop is sized to
-    run inside it, after a GPU sleep that lets the transfer start first)."""
+    kernels do, and this is the number that says how much. ``seconds``: how long one transfer
+    takes (the loop is sized to run inside it, after a GPU sleep that lets the transfer start)."""
     side = torch.cuda.Stream(device)
     a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
     out = torch.empty_like(a)

@@ -73,6 +73,23 @@ class PerChunk:
             self.scatter(c.host, views, c.block_ids, c.first)  # type: ignore[attr-defined]
 
 
+class OneChunk:
+    """``gather``/``scatter`` as a one-chunk ``*_many``: for movers whose work is per batch (the
+    twin of ``PerChunk``)."""
+
+    def gather(
+        self, views: Sequence[torch.Tensor], block_ids: Sequence[int], dst: torch.Tensor, first: int = 0
+    ) -> None:
+        if block_ids:
+            self.gather_many(views, [ChunkCopy(block_ids, dst, first)])  # type: ignore[attr-defined]
+
+    def scatter(
+        self, src: torch.Tensor, views: Sequence[torch.Tensor], block_ids: Sequence[int], first: int = 0
+    ) -> None:
+        if block_ids:
+            self.scatter_many([ChunkCopy(block_ids, src, first)], views)  # type: ignore[attr-defined]
+
+
 def view_regions(views: Sequence[torch.Tensor], buf: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Pair each pool view with its ``[n, seg_bytes]`` region of a view-major host buffer."""
     n = buf.numel() // sum(v.shape[1] for v in views)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvdepot.transfer import cuda_batch
-from kvdepot.transfer.base import ChunkCopy, block_addresses
+from kvdepot.transfer.base import ChunkCopy, OneChunk, block_addresses
 from kvdepot.transfer.torch_mover import TorchBlockMover
 
 WINDOW_BYTES = 64 << 20
@@ -63,25 +63,13 @@ def window_bounds(sizes: np.ndarray, window_bytes: int) -> list[tuple[int, int]]
     return [(int(lo), int(hi)) for lo, hi in zip(starts[:-1], starts[1:], strict=True)]
 
 
-class BatchBlockMover:
+class BatchBlockMover(OneChunk):
     """Per-run DMA copies, a window's worth per driver call."""
 
     def __init__(self, window_bytes: int = WINDOW_BYTES) -> None:
         self.window_bytes = window_bytes
         self.refused = 0  # batches the driver refused (each then copied by torch)
         self._fallback = TorchBlockMover()
-
-    def gather(
-        self, views: Sequence[torch.Tensor], block_ids: Sequence[int], dst: torch.Tensor, first: int = 0
-    ) -> None:
-        if block_ids:
-            self.gather_many(views, [ChunkCopy(block_ids, dst, first)])
-
-    def scatter(
-        self, src: torch.Tensor, views: Sequence[torch.Tensor], block_ids: Sequence[int], first: int = 0
-    ) -> None:
-        if block_ids:
-            self.scatter_many([ChunkCopy(block_ids, src, first)], views)
 
     def gather_many(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> None:
         self._move(views, copies, to_host=True)

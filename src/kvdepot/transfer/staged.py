@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvdepot.transfer.base import ChunkCopy, view_regions, windows
+from kvdepot.transfer.base import ChunkCopy, OneChunk, view_regions, windows
 from kvdepot.transfer.torch_mover import TorchBlockMover
 
 _WORDS = (torch.int64, torch.int32, torch.int16)
@@ -98,25 +98,13 @@ class _Lane:
         return buf[:nbytes]
 
 
-class StagedBlockMover:
+class StagedBlockMover(OneChunk):
     """Gather/scatter on the device, large host<->device copies, the two overlapped."""
 
     def __init__(self, window_bytes: int = WINDOW_BYTES) -> None:
         self.window_bytes = window_bytes
         self._fallback = TorchBlockMover()
         self._lanes: dict[tuple[torch.device, int], _Lane] = {}
-
-    def gather(
-        self, views: Sequence[torch.Tensor], block_ids: Sequence[int], dst: torch.Tensor, first: int = 0
-    ) -> None:
-        if block_ids:
-            self.gather_many(views, [ChunkCopy(block_ids, dst, first)])
-
-    def scatter(
-        self, src: torch.Tensor, views: Sequence[torch.Tensor], block_ids: Sequence[int], first: int = 0
-    ) -> None:
-        if block_ids:
-            self.scatter_many([ChunkCopy(block_ids, src, first)], views)
 
     def gather_many(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> None:
         if not views[0].is_cuda:
