@@ -48,7 +48,7 @@ def running_server(*args: str, timeout_s: float = 120.0) -> Iterator[str]:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
         if log is not subprocess.DEVNULL:
             log.close()
-            proc.wait()
         shutil.rmtree(workdir, ignore_errors=True)
