@@ -468,6 +468,13 @@ def test_window_bounds_partition_the_copies_in_order():
     assert window_bounds(np.array([], dtype=np.int64), 10) == []
     assert window_bounds(np.array([4, 4, 4, 4, 25, 1, 9]), 10) == [(0, 2), (2, 4), (4, 6), (6, 7)]
     assert window_bounds(np.array([10, 10, 10]), 10) == [(0, 1), (1, 2), (2, 3)]
+    # Growing windows: 1, then 2, 4, 8 copies of one unit, then at most 8 per window.
+    assert window_bounds(np.ones(23, dtype=np.int64), 8, first_bytes=1) == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 23)]
+    sizes = np.random.default_rng(0).integers(1, 50, 500)
+    bounds = window_bounds(sizes, 300, first_bytes=20)
+    assert [lo for lo, _ in bounds[1:]] == [hi for _, hi in bounds[:-1]] and bounds[0][0] == 0 and bounds[-1][1] == 500
+    spans = [int(sizes[lo:hi].sum()) for lo, hi in bounds]
+    assert spans[0] <= 20 + 49 and max(spans) <= 300 + 49 and spans[1] > spans[0]
 
 
 @pytest.mark.gpu
