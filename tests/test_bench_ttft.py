@@ -15,14 +15,15 @@ def test_ttft_bench_in_process_and_through_a_server(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--device", "cpu", "--model", "tiny", "--lengths", "256,512", "--miss-prompts", "2",
-                              "--miss-length", "256", "--decode-tokens", "3", "--modes", "in-process,mp",
+                              "--miss-length", "256", "--decode-tokens", "3", "--modes", "in-process,whole,mp",
                               "--json", str(tmp_path / "ttft.json")])
     result = run(args)
     hits = result["hits"]
-    assert [(r["mode"], r["prompt"]) for r in hits] == [("in-process", 256), ("in-process", 512), ("mp", 256), ("mp", 512)]
+    assert [(r["mode"], r["prompt"]) for r in hits] == [(m, n) for m in ("in-process", "whole", "mp") for n in (256, 512)]
     for row in hits:  # every hit is served by kvdepot (all but the last block) and exact
         assert row["tokens loaded"] == row["prompt"] - 32
         assert row["hit==device bitwise"] and row["tokens==recompute"]
+        assert row["+64 partial hit ms"] > 0 and row["suffix only ms"] > 0  # (the bench checks what each loaded)
     assert [r["connector"] for r in result["misses"]] == [False, True]
     assert (tmp_path / "ttft.json").exists()
 
@@ -32,5 +33,5 @@ def test_unknown_mode_is_refused():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    with pytest.raises(SystemExit, match="allowed: in-process, mp"):
+    with pytest.raises(SystemExit, match="allowed: in-process, whole, mp"):
         run(parser.parse_args(["--device", "cpu", "--model", "tiny", "--modes", "gpu"]))

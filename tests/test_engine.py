@@ -674,3 +674,58 @@ def test_cuda_side_streams_are_never_a_callers_stream():
     callers = [torch.cuda.Stream() for _ in range(96)] + list(rig.engine._streams)  # white box
     for store in (True, False):
         assert not [c for c in callers if rig.engine._side_stream(store, c) == c]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_load_by_layer_is_bit_exact_and_each_layer_is_ready_at_its_event(dtype):
+    """``retrieve_by_layer`` on a cross-layer pool with 64 KiB per layer and block: the caller's
+    stream is not made to wait; a read of layer ``l`` enqueued after ``wait_layer(l)`` sees the
+    stored bytes; after every layer the loaded blocks hold exactly what was stored and no other
+    block changed. Random bytes each run, odd block ids, a load that starts inside a chunk."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    rig = Rig(device="cuda", dtype=dtype, tpb=16, bpc=3, layers=5, kv=2, row=(64 << 10) // (2 * 16 * elem),
+              num_blocks=29, mover="batch", seed=int(torch.randint(0, 2**31, ())))
+    engine = rig.engine
+    assert engine.can_load_by_layer()
+    tokens, ids = rig.tokens(7 * 16), rig.ids(7)
+    original = rig.rows()
+    engine.store(tokens, ids).wait()
+    poison = rig.fill()
+    load_ids = rig.ids(7)
+    forward = forward_stream(engine)
+    layers = rig.pool.view(torch.uint8)  # [block, layer, k|v, bytes]
+    seen = []
+    with torch.cuda.stream(forward):
+        assert engine.lookup(tokens) == 96
+        got, load = engine.retrieve_by_layer(tokens, load_ids, skip_blocks=1)
+        assert got == 96 and load is not None and len(load.events) == 5
+        for layer in range(5):
+            load.wait_layer(layer, forward)
+            seen.append(layers[load_ids[1:6], layer].clone())  # what layer ``layer``'s attention would read
+    forward.synchronize()
+    assert load.fully_waited and engine.stats().layered_loads == 1
+    expected = {load_ids[p]: original[ids[p]] for p in range(1, 6)}
+    verify_rows(rig.rows(), expected, poison)
+    per_layer = original.view(29, 5, -1)
+    for layer, snapshot in enumerate(seen):
+        assert torch.equal(snapshot.reshape(5, -1).cpu(), per_layer[ids[1:6], layer]), f"layer {layer}"
+    engine.poll()
+    rig.verify_idle()
+
+
+@pytest.mark.gpu
+def test_cuda_load_by_layer_falls_back_to_a_whole_load_for_small_layer_parts():
+    rig = Rig(device="cuda", tpb=16, bpc=2, layers=4, num_blocks=12, mover="batch")  # 128 B per layer and block
+    engine = rig.engine
+    assert not engine.can_load_by_layer()
+    tokens, ids = rig.tokens(64), rig.ids(4)
+    original = rig.rows()
+    engine.store(tokens, ids).wait()
+    poison = rig.fill()
+    load_ids = rig.ids(4)
+    got, load = engine.retrieve_by_layer(tokens, load_ids)
+    assert got == 64 and load is None  # whole: the current stream waits for it, as after retrieve
+    verify_rows(rig.rows(), {load_ids[p]: original[ids[p]] for p in range(4)}, poison)
+    engine.poll()
+    rig.verify_idle()

@@ -460,6 +460,72 @@ def test_batch_mover_redoes_a_refused_move_with_torch_and_counts_it(monkeypatch,
     assert torch.equal(pool.view(torch.uint8), original)
 
 
+@pytest.mark.parametrize("refuse_call", [None, 1, 3])
+def test_batch_mover_scatters_layer_by_layer(monkeypatch, caplog, refuse_call):
+    """``scatter_layers`` on a cross-layer pool: when ``after_layer(l)`` is called, layers 0..l of
+    every listed block hold the host bytes and later layers are untouched; at the end the pool is
+    exactly what a whole scatter writes. A refused call finishes the move whole, and every layer
+    is still reported once, in order. (The driver is played by memmove on CPU memory.)"""
+    import ctypes
+
+    from kvdepot.transfer import cuda_batch
+    from kvdepot.transfer.base import ChunkCopy
+    from kvdepot.transfer.batch import BatchBlockMover
+
+    calls = []
+
+    def driver(dst, src, sizes, stream):
+        calls.append(len(sizes))
+        if len(calls) == refuse_call:
+            raise RuntimeError("cuMemcpyBatchAsync_v2 failed: CUDA_ERROR_INVALID_VALUE (1)")
+        for d, s_, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+            ctypes.memmove(d, s_, n)
+
+    layers = 4
+    c = dict(num_blocks=10, layers=layers, kv=2, elems=8, dtype=torch.bfloat16, per_layer=False, seed=4)
+    pool, views, gen = make_pool(c, "cpu")
+    per_block = views[0].shape[1]
+    monkeypatch.setattr(BatchBlockMover, "_stream", staticmethod(lambda views, copies: 7))
+    monkeypatch.setattr(cuda_batch, "memcpy_batch", driver)
+    ids = torch.randperm(10, generator=gen).tolist()
+    copies = [ChunkCopy(ids[k : k + 3], random_bytes((4 * per_block,), gen), k % 2) for k in range(0, 9, 3)]
+    got = pool.view(torch.uint8)  # bytes: random bf16 bits hold NaNs, which never compare equal
+    want = got.clone()
+    TorchBlockMover().scatter_many(copies, [want.reshape(10, -1)])
+    poison = got.clone()
+    reported = []
+
+    def after_layer(layer):
+        reported.append(layer)
+        if refuse_call is None:
+            assert torch.equal(got[ids[:9], : layer + 1], want[ids[:9], : layer + 1])
+            assert torch.equal(got[ids[:9], layer + 1 :], poison[ids[:9], layer + 1 :])
+
+    with caplog.at_level("WARNING", logger="kvdepot"):
+        BatchBlockMover().scatter_layers(copies, views, layers, after_layer)
+    assert reported == list(range(layers))
+    assert torch.equal(got, want)  # the listed blocks loaded, block 9 (not listed) untouched
+    assert (refuse_call is None) == ("refused" not in caplog.text)
+
+
+def test_batch_mover_scatters_whole_where_it_cannot_split_by_layer():
+    """Per-layer views (one view per layer: not a cross-layer pool) or a CPU pool: the move is
+    whole, and every layer is reported after it."""
+    from kvdepot.transfer.base import ChunkCopy
+    from kvdepot.transfer.batch import BatchBlockMover
+
+    c = dict(num_blocks=6, layers=3, kv=2, elems=8, dtype=torch.float16, per_layer=True, seed=2)
+    pool, views, gen = make_pool(c, "cpu")
+    per_block = sum(v.shape[1] for v in views)
+    copies = [ChunkCopy([4, 1], random_bytes((2 * per_block,), gen))]
+    want = pool.view(torch.uint8).clone()
+    TorchBlockMover().scatter_many(copies, [want[:, layer].reshape(6, -1) for layer in range(3)])
+    reported = []
+    BatchBlockMover().scatter_layers(copies, views, 3, lambda layer: reported.append((layer, pool.view(torch.uint8).clone())))
+    assert [layer for layer, _ in reported] == [0, 1, 2]
+    assert all(torch.equal(seen, want) for _, seen in reported)
+
+
 def test_window_bounds_partition_the_copies_in_order():
     import numpy as np
 

@@ -55,6 +55,7 @@ class DepotConfig:
     lease_timeout_s: float = _key(30.0, "Seconds a looked-up chunk stays pinned if its load never comes.", minimum=0.001)
     pin_host_memory: str = _key("auto", "Pin the host tier's memory: auto = when CUDA is available.", choices=("auto", "true", "false"))
     transfer_mover: str = _key("auto", "Block copy path (all on the copy engines): runs = one copy call per run of adjacent blocks, staged = GPU gather + few large copies, batch = one driver call (cuMemcpyBatchAsync) per window of per-run copies; auto = batch where the driver has it (CUDA 13), else staged below 2 MiB blocks, runs above.", choices=("auto", "batch", "runs", "staged"))
+    load_by_layer: str = _key("auto", "TensorRT-LLM, in-process: copy a hit layer by layer so that each layer's forward starts once its own KV is in (wait_for_layer_load). auto = where each layer's part of a block is >= 64 KiB on a CUDA pool with the batch mover, once the engine's layer hooks have been seen to fire; off = whole blocks, the forward waits for all of them.", choices=("auto", "off"))
     disk_admission: str = _key("always", "Which chunks the disk takes: all, or only those seen twice (stored or hit).", choices=("always", "second_hit"))
     disk_o_direct: str = _key("auto", "O_DIRECT for the disk tier: auto = probe the directory and fall back to buffered I/O.", choices=("auto", "true", "false"))
     disk_fsync: bool = _key(False, "Fsync each disk object and its directory before it counts as stored.")

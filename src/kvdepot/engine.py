@@ -30,7 +30,7 @@ from kvdepot.config import DepotConfig, load_config
 from kvdepot.errors import ConfigError, LayoutError
 from kvdepot.keys import ChunkHasher, ChunkKey, Namespace
 from kvdepot.layout import PoolLayout
-from kvdepot.results import EngineStats, Hit, StoreHandle
+from kvdepot.results import EngineStats, Hit, LayeredLoad, StoreHandle
 from kvdepot.storage.host import HostTier
 from kvdepot.storage.manager import TierManager
 from kvdepot.storage.pinner import ArenaPinner
@@ -39,7 +39,7 @@ from kvdepot.transfer import MOVERS, cuda_batch
 from kvdepot.transfer.base import BlockMover, ChunkCopy
 from kvdepot.transfer.inflight import InflightTransfers
 
-__all__ = ["STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "StoreHandle"]
+__all__ = ["LAYER_PART_MIN_BYTES", "STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
 
 # Where the driver has a batched copy call, every block size goes as one DMA per run, a window
 # of them per call (transfer/batch.py): on the H200 (perf-notes, run O) it matched or beat the
@@ -47,6 +47,8 @@ __all__ = ["STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "StoreHand
 # Without that call, blocks of 2 MiB and more run a DMA each near the ceiling; smaller ones are
 # gathered on the device first (transfer/staged.py).
 STAGED_BELOW_BYTES = 2 << 20
+# Loads by layer need each layer's part of a block to be one efficient copy (``can_load_by_layer``).
+LAYER_PART_MIN_BYTES = 64 << 10
 
 
 class CacheEngine:
@@ -283,8 +285,43 @@ class CacheEngine:
 
         Returns the end, in tokens from 0, of what is then valid (``skip_blocks * B`` if nothing
         was loaded). Loads stop at the first chunk not cached; the lease taken by ``lookup``
-        guarantees the chunks it counted are still there.
+        guarantees the chunks it counted are still there. ``stream`` (default: the current one)
+        is made to wait for the whole load.
         """
+        return self._retrieve(tokens, block_ids, keys, skip_blocks, num_blocks, lease, stream, by_layer=False)[0]
+
+    def retrieve_by_layer(
+        self,
+        tokens: Sequence[int] | None,
+        block_ids: Sequence[int],
+        *,
+        keys: Sequence[ChunkKey] | None = None,
+        skip_blocks: int = 0,
+        num_blocks: int | None = None,
+        lease: Any = None,
+        stream: Any = None,
+    ) -> tuple[int, LayeredLoad | None]:
+        """``retrieve``, copied layer by layer where it can be (``can_load_by_layer``): ``stream``
+        is then *not* made to wait, and the caller must wait on the returned ``LayeredLoad``
+        layer by layer before each layer reads the blocks (and wholly before anything else does).
+        The load is ``None`` where it was done whole or nothing was loaded: ``stream`` then waits
+        as after ``retrieve``."""
+        return self._retrieve(tokens, block_ids, keys, skip_blocks, num_blocks, lease, stream,
+                              by_layer=self.can_load_by_layer())
+
+    def can_load_by_layer(self) -> bool:
+        """Whether loads can be split by layer here: a cross-layer pool (one view) on CUDA, a mover
+        that copies by layer, and parts of at least ``LAYER_PART_MIN_BYTES`` (smaller copies run
+        the copy engines far below PCIe speed: H200, run P, 16 KiB host-to-device copies 0.10 of
+        a plain copy, 64 KiB 0.72 and 128 KiB 0.83 including their issue)."""
+        return (len(self._views) == 1 and self._views[0].is_cuda and self.layout.num_layers > 1
+                and hasattr(self.mover, "scatter_layers")
+                and self.layout.bytes_per_block // self.layout.num_layers >= LAYER_PART_MIN_BYTES)
+
+    def _retrieve(
+        self, tokens: Sequence[int] | None, block_ids: Sequence[int], keys: Sequence[ChunkKey] | None,
+        skip_blocks: int, num_blocks: int | None, lease: Any, stream: Any, *, by_layer: bool,
+    ) -> tuple[int, LayeredLoad | None]:
         started = time.perf_counter()
         keys = self._keys(tokens, keys)
         B, bpc = self.layout.tokens_per_block, self.layout.blocks_per_chunk
@@ -300,7 +337,7 @@ class CacheEngine:
         if end_block <= skip_blocks:
             if lease is not None:
                 self.release(lease)  # nothing to load: the lookup's pins must not outlive the call
-            return skip_blocks * B
+            return skip_blocks * B, None
         self._promotions.settle(lease)  # a failed promotion is a shorter load, counted below
         pin = ("load", next(self._tokens))
         plan: list[tuple[torch.Tensor, list[int], int]] = []
@@ -321,17 +358,24 @@ class CacheEngine:
                 self._stats.short_loads += 1
         if not plan:
             self.release(pin)
-            return skip_blocks * B
+            return skip_blocks * B, None
+        copies = [ChunkCopy(ids, slot, first) for slot, ids, first in plan]
+        layered = LayeredLoad([torch.cuda.Event() for _ in range(self.layout.num_layers)]) if by_layer else None
 
         def copy() -> None:
-            self.mover.scatter_many([ChunkCopy(ids, slot, first) for slot, ids, first in plan], self._views)
+            if layered is None:
+                self.mover.scatter_many(copies, self._views)
+            else:  # each event recorded on the load's side stream, the current one here
+                self.mover.scatter_layers(copies, self._views, self.layout.num_layers,  # type: ignore[attr-defined]
+                                          lambda layer: layered.events[layer].record())
 
-        self._transfers.run(copy, lambda: self.host.release(pin), stream, store=False)
+        self._transfers.run(copy, lambda: self.host.release(pin), stream, store=False, caller_waits=layered is None)
         with self._lock:
             self._stats.loaded_chunks += len(plan)
+            self._stats.layered_loads += layered is not None
             self._stats.bytes_loaded += loaded_blocks * self.layout.bytes_per_block
             self._stats.load_seconds += time.perf_counter() - started
-        return (skip_blocks + loaded_blocks) * B
+        return (skip_blocks + loaded_blocks) * B, layered
 
     # ---- waiting --------------------------------------------------------------------------
     def wait_arena(self, timeout: float | None = None) -> None:

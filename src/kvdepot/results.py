@@ -3,6 +3,7 @@ same ``Hit``):
 
     Hit           probe: where the cached run ends, and how much of it is in host memory now
     StoreHandle   store: the copies in flight, ``done()`` / ``wait()``
+    LayeredLoad   retrieve_by_layer: one event per layer, for the forward to wait on layer by layer
     EngineStats   stats: counters and a snapshot of the tiers
 """
 
@@ -36,6 +37,7 @@ class EngineStats:
     promoting: int = 0  # lookups whose lower-tier chunks are still being read into host memory
     short_loads: int = 0  # loads that found fewer chunks than their lookup promised (logged)
     refused_batches: int = 0  # batched copies the driver refused, each redone by per-run copies (logged)
+    layered_loads: int = 0  # loads issued layer by layer (``retrieve_by_layer``)
     lower: list[TierStats] = field(default_factory=list)
 
 
@@ -64,3 +66,30 @@ class StoreHandle:
     def wait(self) -> None:
         if self._token is not None:
             self._transfers.wait_for(self._token)
+
+
+class LayeredLoad:
+    """A load whose layers become readable one by one: layer ``l`` of every loaded block is in the
+    pool once ``events[l]`` has passed. The caller's stream was *not* made to wait for the load;
+    it must wait for each layer before that layer's attention reads it (``wait_layer``, in
+    TensorRT-LLM's ``wait_for_layer_load``) and for all of it before anything else uses the
+    blocks (``wait_all``). Layers are copied in order on one stream, so the last layer's event
+    passing means the whole load is done."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+        self.waited = 0  # layers 0..waited-1 have been waited for by some stream
+
+    def wait_layer(self, layer: int, stream: object) -> None:
+        stream.wait_event(self.events[layer])  # type: ignore[attr-defined]
+        if layer == self.waited:
+            self.waited += 1
+
+    def wait_all(self, stream: object) -> None:
+        stream.wait_event(self.events[-1])  # type: ignore[attr-defined]
+        self.waited = len(self.events)
+
+    @property
+    def fully_waited(self) -> bool:
+        """Every layer was waited for, in order: nothing read a layer before its copies ended."""
+        return self.waited == len(self.events)

@@ -5,9 +5,15 @@ Per prompt length L (a Llama-3.1-8B-shaped model with random bf16 weights by def
     recompute      prompt A computed from scratch (a miss: kvdepot saves it meanwhile)
     kvdepot hit    A again after a filler prompt evicted it from the engine's pool
     device hit     A once more, still in the engine's pool: one forward over the last block
+    partial hit    A + S (``--suffix`` new tokens, a chat's next turn) after another filler:
+                   kvdepot loads A, the engine computes S
+    suffix only    A + S' with A still in the engine's pool: S' alone computed, the partial
+                   hit's floor
 
-once in-process and, with ``--modes in-process,mp`` (the default on CUDA), once through a
-``kvdepot server`` subprocess that maps the engine's pool by CUDA IPC and does the copies,
+in each of the ``--modes``: ``in-process`` (the default config: a hit is copied layer by layer
+where it can be, each layer's forward waiting only for its own KV), ``whole`` (in-process with
+``load_by_layer: off``: the forward waits for the whole hit), and ``mp``, through a ``kvdepot
+server`` subprocess that maps the engine's pool by CUDA IPC and does the copies (whole blocks),
 
 and the target the issue sets, from figures measured in this run:
 ``bound = 1.2 x KV bytes / memcpy GB/s + device-hit TTFT``. A 0%-reuse run (distinct prompts)
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import time
@@ -38,10 +45,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="distinct prompts in the 0%%-reuse run (each served with and without the connector)")
     parser.add_argument("--miss-length", type=int, default=4096 if cuda else 512)
     parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens in the 0%%-reuse run")
-    parser.add_argument("--modes", default="in-process,mp" if cuda else "in-process",
-                        help="connector modes for the hit rows: in-process, mp (a kvdepot server subprocess)")
+    parser.add_argument("--suffix", type=int, default=1024 if cuda else 64, help="new tokens after the cached prefix in the partial-hit rows")
+    parser.add_argument("--modes", default="in-process,whole,mp" if cuda else "in-process",
+                        help="connector modes for the hit rows: " + ", ".join(MODES))
     parser.add_argument("--plot", default=None, help="write a PNG of TTFT vs prompt length here")
     parser.add_argument("--json", default=None, help="write the rows as JSON here")
+
+
+MODES = ("in-process", "whole", "mp")  # whole: in-process, loads by layer off (KVDEPOT_LOAD_BY_LAYER)
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -95,9 +106,22 @@ def _teardown() -> None:
     destroy_remote()
 
 
-def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, server_url: str | None = None) -> list[dict]:
+def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None = None) -> list[dict]:
+    saved = os.environ.get("KVDEPOT_LOAD_BY_LAYER")
+    if mode == "whole":
+        os.environ["KVDEPOT_LOAD_BY_LAYER"] = "off"
+    try:
+        return _hit_rows(args, lengths, h2d, mode, server_url)
+    finally:
+        if saved is None:
+            os.environ.pop("KVDEPOT_LOAD_BY_LAYER", None)
+        else:
+            os.environ["KVDEPOT_LOAD_BY_LAYER"] = saved
+
+
+def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None) -> list[dict]:
     _teardown()
-    pool = max(lengths) + 64
+    pool = max(lengths) + args.suffix + 64
     eng = _engine(args, pool, connected=True, server_url=server_url)
     _ready(server_url)
     vocab = eng.model.config.vocab_size
@@ -115,10 +139,16 @@ def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, server_url: 
         eng.generate([_prompt(pool - 1, 200 + i, vocab)], 1)  # evicts A from the engine's pool
         hit = eng.generate([a], 1)[0]
         device = eng.generate([a], 1)[0]
+        eng.generate([_prompt(pool - 1, 250 + i, vocab)], 1)
+        partial = eng.generate([a + _prompt(args.suffix, 400 + i, vocab)], 1)[0]
+        floor = eng.generate([a + _prompt(args.suffix, 500 + i, vocab)], 1)[0]  # A's blocks reused in the pool
+        if partial.num_connector_matched_tokens != n or floor.num_device_reused_tokens != n:
+            raise RuntimeError(f"partial hit of {n}: loaded {partial.num_connector_matched_tokens}, "
+                               f"then reused {floor.num_device_reused_tokens} on the device")
         loaded = hit.num_connector_matched_tokens
         bound = 1.2 * loaded * kv_per_token / (h2d * 1e9) + device.ttft_s
         rows.append({
-            "mode": "mp" if server_url else "in-process",
+            "mode": mode,
             "prompt": n,
             "recompute ms": miss.ttft_s * 1e3,
             "kvdepot hit ms": hit.ttft_s * 1e3,
@@ -130,6 +160,9 @@ def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, server_url: 
             "speed-up": miss.ttft_s / hit.ttft_s,
             "hit==device bitwise": bool(torch.equal(hit.logits[0], device.logits[0])),
             "tokens==recompute": hit.output_ids == miss.output_ids,
+            f"+{args.suffix} partial hit ms": partial.ttft_s * 1e3,
+            "suffix only ms": floor.ttft_s * 1e3,
+            "partial/(suffix+load)": partial.ttft_s / (floor.ttft_s + n * kv_per_token / (h2d * 1e9)),
         })
     if server_url is None:
         from kvdepot.integrations.tensorrt_llm.utils import current_engine
@@ -204,12 +237,13 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     local = [r for r in rows if r["mode"] == "in-process"] or rows
     xs = [r["prompt"] for r in local]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("recompute ms", "recompute"), ("kvdepot hit ms", "kvdepot hit (host memory, in-process)"),
+    for key, label in (("recompute ms", "recompute"), ("kvdepot hit ms", "kvdepot hit (in-process, by layer where it can)"),
                        ("bound ms", "target bound"), ("device hit ms", "one forward over the last block")):
         ax.plot(xs, [r[key] for r in local], marker="o", label=label)
-    mp = [r for r in rows if r["mode"] == "mp"]
-    if mp:
-        ax.plot([r["prompt"] for r in mp], [r["kvdepot hit ms"] for r in mp], marker="s", label="kvdepot hit (kvdepot server)")
+    for mode, label in (("whole", "kvdepot hit, whole (in-process)"), ("mp", "kvdepot hit (kvdepot server)")):
+        other = [r for r in rows if r["mode"] == mode]
+        if other:
+            ax.plot([r["prompt"] for r in other], [r["kvdepot hit ms"] for r in other], marker="s", label=label)
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.set_yscale("log")
@@ -227,10 +261,10 @@ def run(args: argparse.Namespace) -> dict:
     h2d, d2h, _both = memcpy_ceiling(256 << 20, device, 5)
     title = f"kvdepot bench ttft — {args.model} on {device_name(device)}, memcpy H2D {h2d:.1f} GB/s D2H {d2h:.1f} GB/s"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - {"in-process", "mp"}
+    unknown = set(modes) - set(MODES)
     if unknown:
-        raise SystemExit(f"--modes: unknown {sorted(unknown)}; allowed: in-process, mp")
-    hits = _hits(args, lengths, h2d) if "in-process" in modes else []
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; allowed: {', '.join(MODES)}")
+    hits = [row for mode in ("in-process", "whole") if mode in modes for row in _hits(args, lengths, h2d, mode)]
     if "mp" in modes:
         from kvdepot.bench.server_proc import running_server
 
@@ -238,7 +272,7 @@ def run(args: argparse.Namespace) -> dict:
         # filler's store), and little more, so the arena is pinned in the background before the hits.
         kv_gb = 2.5 * max(lengths) * _kv_bytes_per_token(args) / 1e9
         with running_server("--chunk-size", "256", "--host-capacity-gb", f"{max(kv_gb, 0.05):.3f}") as url:
-            hits += _hits(args, lengths, h2d, server_url=url)
+            hits += _hits(args, lengths, h2d, "mp", server_url=url)
             from kvdepot.server.client import print_stats
 
             print_stats(url)  # the server's tier counters after the MP rows (drops, evictions, pins)

@@ -80,11 +80,14 @@ class InflightTransfers:
 
     def run(
         self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any, *, store: bool,
-        on_fail: Callable[[], None] | None = None,
+        on_fail: Callable[[], None] | None = None, caller_waits: bool = True,
     ) -> int | None:
         """Run ``copy`` now (CPU), enqueue it on a side stream ordered after ``stream`` (a CUDA
         load), or hand it to the issuer thread with an event of ``stream`` to wait for (a CUDA
         store; nothing is enqueued on ``stream`` itself).
+
+        A CUDA load makes ``stream`` wait for it, unless ``caller_waits`` is False: then ``copy``
+        records events of its own (a layered load) and the caller waits on those.
 
         If ``copy`` raises, ``on_fail`` (or ``on_done``) runs so no slot or pin leaks: at once,
         and the error reaches the caller, except for a CUDA store, where it is logged.
@@ -122,7 +125,8 @@ class InflightTransfers:
                 transfer.on_fail()
             raise
         transfer.issued.set()
-        caller.wait_event(transfer.event)  # the forward pass reads what the load wrote
+        if caller_waits:
+            caller.wait_event(transfer.event)  # the forward pass reads what the load wrote
         return transfer.token
 
     def side_stream(self, store: bool, caller: Any) -> Any:

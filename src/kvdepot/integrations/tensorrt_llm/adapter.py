@@ -10,7 +10,13 @@ Scheduler (rank 0)                               Worker (every rank)
   request_finished -> True while saves run         wait_for_save -> notes the step's saves
                                                    get_finished -> engine.store (store stream, after
                                                      sampling); requests whose saves completed
-Blocks move whole (all layers at once), so the per-layer hooks have nothing to do.
+Loads by layer (``load_by_layer: auto``, CUDA pools whose per-layer parts are >= 64 KiB): the
+load is copied layer by layer and ``wait_for_layer_load(i)`` makes the forward stream wait only
+for layer ``i``, so a hit's copies overlap the forward over the new tokens. The worker only does
+so once it has seen a whole forward's layer hooks fire (TensorRT-LLM skips them on CUDA-graph
+replays); a layered load whose layers were not all waited for is waited for wholly at
+``wait_for_save``, logged, and layered loads are turned off. Otherwise the hit loads whole in
+``start_load_kv`` and the forward stream waits for all of it. Saves are always whole blocks.
 
 A hit in host memory loads synchronously in ``start_load_kv``. Chunks found only on disk or in
 Redis are promoted into host memory in the background; the scheduler never waits for them.
@@ -27,7 +33,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdepot.engine import CacheEngine, StoreHandle
+from kvdepot.engine import CacheEngine, LayeredLoad, StoreHandle
 from kvdepot.integrations.planner import DeltaPlanner, SentState
 from kvdepot.integrations.saves import take_saved
 from kvdepot.integrations.tensorrt_llm.api import (
@@ -186,6 +192,10 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         self._started: set[int] = set()  # async loads TensorRT-LLM has seen start (get_finished's argument)
         self._pending_saves: list[tuple[_WorkerRequest, list[int], list[bytes]]] = []  # noted, not enqueued
         self._save_stream: Any = None
+        self._layered: list[LayeredLoad] = []  # this forward's layered loads
+        self._hook_layers = 0  # layers 0.. whose wait_for_layer_load this forward has called, in order
+        self._hooks_fire = False  # a whole forward's hooks were seen: layered loads will be waited for
+        self._hooks_failed = False  # a forward skipped a layered load's layer: whole loads for good
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         self._engine = get_or_create_engine(self._llm_args, kv_cache_tensor)
@@ -200,6 +210,7 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         if meta is None:
             return
         self._submit_saves()
+        self._settle_layered(stream)  # a forward that never came (never in TensorRT-LLM)
         for rid in meta.finished:
             self._requests.pop(rid, None)
         for item in meta.requests:
@@ -211,19 +222,41 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
             elif item.load_num_blocks:
                 self._load(item, state, stream)
 
-    def _load(self, item: RequestMeta, state: _WorkerRequest, stream: Any) -> None:
+    def _load(self, item: RequestMeta, state: _WorkerRequest, stream: Any, *, by_layer: bool = True) -> None:
         assert self._engine is not None
         B = self._engine.layout.tokens_per_block
         want = (item.load_skip_blocks + item.load_num_blocks) * B
-        got = self._engine.retrieve(
-            None, state.block_ids, keys=state.keys, skip_blocks=item.load_skip_blocks,
-            num_blocks=item.load_num_blocks, lease=item.request_id, stream=stream,
-        )
+        args = dict(keys=state.keys, skip_blocks=item.load_skip_blocks, num_blocks=item.load_num_blocks,
+                    lease=item.request_id, stream=stream)
+        if by_layer and self._hooks_fire and not self._hooks_failed and self._engine.config.load_by_layer == "auto":
+            got, layered = self._engine.retrieve_by_layer(None, state.block_ids, **args)
+            if layered is not None:
+                self._layered.append(layered)
+        else:
+            got = self._engine.retrieve(None, state.block_ids, **args)
         if got != want:  # only possible if a lease expired before its load: never silent
             logger.error("kvdepot: req=%s loaded %d of %d tokens; lease expired before the load", item.request_id, got, want)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
-        """Whole blocks (every layer) are loaded in start_load_kv; nothing per layer."""
+        """Make the forward stream wait for layer ``layer_idx`` of this step's layered loads (whole
+        loads were already waited for in ``start_load_kv``), and note that the hooks fire."""
+        self._hook_layers = self._hook_layers + 1 if layer_idx == self._hook_layers else int(layer_idx == 0)
+        for load in self._layered:
+            load.wait_layer(layer_idx, stream)
+
+    def _settle_layered(self, stream: Any) -> None:
+        """End of a forward: every layered load must have been waited for layer by layer. One that
+        was not is waited for wholly now, so nothing later on ``stream`` (saves, the blocks' next
+        owner) can run ahead of its copies; if a layer's attention ran before its copies, that
+        forward read stale KV, so it is logged as an error and layered loads stop for good."""
+        for load in self._layered:
+            if not load.fully_waited:
+                load.wait_all(stream)
+                if not self._hooks_failed:
+                    logger.error("kvdepot: a layered load's layers were not all waited for by the forward "
+                                 "(wait_for_layer_load calls missing); loads are whole from now on")
+                self._hooks_failed = True
+        self._layered.clear()
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Whole blocks are saved after the forward pass (noted in wait_for_save); nothing per layer."""
@@ -237,6 +270,10 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         on a 4K-token miss). Enqueued in ``get_finished`` — after sampling, before the executor
         can free or reuse any block — the store still never makes the forward stream wait.
         """
+        if self._engine is not None and self._hook_layers == self._engine.layout.num_layers:
+            self._hooks_fire = True  # every layer's hook ran, in order, during this forward
+        self._hook_layers = 0
+        self._settle_layered(stream)
         meta = self._meta()
         if meta is None:
             return
@@ -275,7 +312,7 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         for rid, item in list(self._async_loads.items()):
             if self._engine is not None and self._engine.promotion_done(rid):
                 del self._async_loads[rid]
-                self._load(item, self._requests[rid], None)
+                self._load(item, self._requests[rid], None, by_layer=False)  # read by a later forward
                 self._loaded.add(rid)
         self._started.update(started)
         ready = [rid for rid in self._loaded if rid in self._started]

@@ -152,7 +152,8 @@ class KvDepotMPConnectorWorker(KvDepotConnectorWorker):
         )
         return handle, (item.load_skip_blocks + item.load_num_blocks) * engine.tokens_per_block
 
-    def _load(self, item: RequestMeta, state: _WorkerRequest, stream: Any) -> None:
+    def _load(self, item: RequestMeta, state: _WorkerRequest, stream: Any, *, by_layer: bool = True) -> None:
+        """A whole load by the server (it copies whole blocks; ``by_layer`` does not apply)."""
         handle, want = self._send_load(item, state, stream)
         _check_load(item.request_id, handle.result(), want)
 

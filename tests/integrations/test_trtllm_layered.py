@@ -1,0 +1,144 @@
+"""Loads by layer in the TensorRT-LLM worker: when the worker uses them, that the forward waits for
+every layer in order, and what happens when a forward does not (CPU: the engine's layered load is
+played by a whole load plus a record of the waits; the CUDA copies are tests/test_engine.py's and
+tests/runtime/test_runtime_gpu.py's)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from test_trtllm_e2e import assert_same, engine, filler, prompt
+
+from kvdepot.engine import CacheEngine, LayeredLoad
+from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorWorker
+from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
+
+
+class RecordedLoad(LayeredLoad):
+    """A layered load whose waits are written down instead of enqueued (no CUDA here)."""
+
+    def __init__(self, layers: int, log: list) -> None:
+        super().__init__([object()] * layers)
+        self.log = log
+
+    def wait_layer(self, layer: int, stream: Any) -> None:
+        self.log.append(("layer", layer))
+        super().wait_layer(layer, _NoStream())
+
+    def wait_all(self, stream: Any) -> None:
+        self.log.append(("all", None))
+        super().wait_all(_NoStream())
+
+
+class _NoStream:
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def layered(monkeypatch: pytest.MonkeyPatch) -> list:
+    """``retrieve_by_layer`` loads whole (correct KV on CPU) and hands back a recorded load."""
+    log: list = []
+
+    def retrieve_by_layer(self: CacheEngine, tokens: Any, block_ids: Any, **kw: Any) -> tuple[int, LayeredLoad]:
+        log.append(("load", None))
+        return self.retrieve(tokens, block_ids, **kw), RecordedLoad(self.layout.num_layers, log)
+
+    monkeypatch.setattr(CacheEngine, "retrieve_by_layer", retrieve_by_layer)
+    return log
+
+
+def test_hits_load_by_layer_once_the_hooks_were_seen(layered: list) -> None:
+    a = prompt(1100, 1)
+    baseline = engine(1152, connector=None).generate([a], 4)[0]
+    eng = engine(1152)
+    eng.generate([a], 4)  # no hit: the first forward shows the worker that the layer hooks fire
+    assert layered == []
+    eng.generate([filler(1152, 4)], 4)  # evicts A from the engine's pool
+    hit = eng.generate([a], 4)[0]
+    assert hit.num_connector_matched_tokens == 1024 and hit.num_device_reused_tokens == 0
+    layers = eng.model.config.num_layers
+    assert layered == [("load", None)] + [("layer", i) for i in range(layers)]  # each layer waited, in order
+    assert_same(hit, baseline)
+    assert current_engine().stats().live_leases == 0
+
+
+def test_first_forward_loads_whole(layered: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that has not yet seen the hooks fire loads whole: nothing depends on them."""
+    a = prompt(1100, 2)
+    engine(1152).generate([a], 2)  # another engine (and worker) saved A
+    hit = engine(1152).generate([a], 2)[0]  # a fresh worker's first forward is the hit
+    assert hit.num_connector_matched_tokens == 1024 and layered == []
+
+
+def test_a_forward_that_skips_a_layer_hook_is_caught(layered: list, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """If a forward skips a layer's wait (hooks gone missing after they were seen), the load is
+    waited for wholly at wait_for_save, an error is logged, and later loads are whole."""
+    a, b = prompt(1100, 3), prompt(1100, 4)
+    eng = engine(1152)
+    eng.generate([a], 2)
+    eng.generate([b], 2)
+    eng.generate([filler(1152, 2)], 2)
+    original = KvDepotConnectorWorker.wait_for_layer_load
+
+    def skip_layer_one(self: KvDepotConnectorWorker, layer_idx: int, stream: Any) -> None:
+        if layer_idx != 1:
+            original(self, layer_idx, stream)
+
+    monkeypatch.setattr(KvDepotConnectorWorker, "wait_for_layer_load", skip_layer_one)
+    with caplog.at_level(logging.ERROR, logger="kvdepot"):
+        eng.generate([a], 2)
+    assert ("all", None) in layered and "not all waited for" in caplog.text
+    monkeypatch.setattr(KvDepotConnectorWorker, "wait_for_layer_load", original)
+    layered.clear()
+    eng.generate([filler(1152, 2, seed=98)], 2)
+    hit = eng.generate([b], 2)[0]
+    assert hit.num_connector_matched_tokens == 1024 and layered == []  # whole from now on
+
+
+def test_load_by_layer_off(layered: list, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDEPOT_LOAD_BY_LAYER", "off")
+    a = prompt(1100, 5)
+    eng = engine(1152)
+    eng.generate([a], 2)
+    eng.generate([filler(1152, 2)], 2)
+    assert eng.generate([a], 2)[0].num_connector_matched_tokens == 1024 and layered == []
+
+
+@pytest.mark.gpu
+def test_cuda_hit_by_layer_equals_a_whole_load_and_no_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA, for real: the hit is copied layer by layer (the tiny model's 8 KiB layer parts are
+    let through), each layer's attention waits for its own event, and the output is bitwise that
+    of a whole load, and that of an engine without kvdepot."""
+    import torch
+
+    import kvdepot.engine
+    from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorScheduler
+    from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
+
+    monkeypatch.setattr(kvdepot.engine, "LAYER_PART_MIN_BYTES", 0)
+
+    def cuda_engine(connector: Any = (KvDepotConnectorScheduler, KvDepotConnectorWorker)) -> Engine:
+        llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=1152))
+        return Engine("tiny", device="cuda", llm_args=llm_args, connector=connector, seed=0)
+
+    a = prompt(1100, 6)
+    baseline = cuda_engine(connector=None).generate([a], 4)[0]
+    hits = {}
+    for mode in ("off", "auto"):
+        destroy_engine()  # the engine singleton reads its config once
+        monkeypatch.setenv("KVDEPOT_LOAD_BY_LAYER", mode)
+        eng = cuda_engine()
+        eng.generate([a], 4)
+        eng.generate([filler(1152, 4)], 4)
+        hits[mode] = eng.generate([a], 4)[0]
+        assert hits[mode].num_connector_matched_tokens == 1024 and hits[mode].num_device_reused_tokens == 0
+        stats = current_engine().stats()
+        assert stats.layered_loads == (mode == "auto") and stats.live_leases == 0
+    assert hits["auto"].output_ids == hits["off"].output_ids == baseline.output_ids
+    for x, y, z in zip(hits["auto"].logits, hits["off"].logits, baseline.logits, strict=True):
+        assert torch.equal(x, y)
+        torch.testing.assert_close(x, z, rtol=1e-4, atol=1e-4)
