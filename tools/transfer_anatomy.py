@@ -13,6 +13,7 @@ For one pool shape and mover, with the same 8K-token operations as ``bench trans
                relative to the call (torch.profiler)
   --profile    cProfile of the host side of one store and one retrieve
   --trace F    Chrome trace of one "store then load" (streams, copies, kernels) written to F
+  --switch-interval S   run with CPython's GIL switch interval set to S seconds (a diagnostic)
 
     python tools/transfer_anatomy.py [--layers 32 --head-dim 128 --tokens-per-block 32] [--mover staged] [--profile]
 """
@@ -21,6 +22,7 @@ import cProfile
 import pstats
 import random
 import statistics
+import sys
 import time
 
 import torch
@@ -39,7 +41,11 @@ ap.add_argument("--mover", default="staged")
 ap.add_argument("--reps", type=int, default=7)
 ap.add_argument("--profile", action="store_true")
 ap.add_argument("--trace", default=None)
+ap.add_argument("--switch-interval", type=float, default=None,
+                help="sys.setswitchinterval for this run (seconds; CPython's default 0.005): is a thread waiting for the GIL?")
 a = ap.parse_args()
+if a.switch_interval is not None:
+    sys.setswitchinterval(a.switch_interval)
 
 B = a.tokens_per_block
 moved = a.tokens // B
