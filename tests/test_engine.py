@@ -20,7 +20,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvdepot.engine
 import kvdepot.transfer as transfer
 from kvdepot.config import DepotConfig
 from kvdepot.engine import CacheEngine
@@ -679,7 +678,7 @@ def test_cuda_side_streams_are_never_a_callers_stream():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_cuda_load_by_layer_is_bit_exact_and_each_layer_is_ready_at_its_event(dtype, monkeypatch):
+def test_cuda_load_by_layer_is_bit_exact_and_each_layer_is_ready_at_its_event(dtype):
     """``retrieve_by_layer`` on a cross-layer pool with 64 KiB per layer and block: the caller's
     stream is not made to wait; a read of layer ``l`` enqueued after ``wait_layer(l)`` sees the
     stored bytes; after every layer the loaded blocks hold exactly what was stored and no other
@@ -689,7 +688,6 @@ def test_cuda_load_by_layer_is_bit_exact_and_each_layer_is_ready_at_its_event(dt
               num_blocks=29, mover="batch", seed=int(torch.randint(0, 2**31, ())))
     engine = rig.engine
     assert engine.can_load_by_layer()
-    monkeypatch.setattr(kvdepot.engine, "LAYER_LOAD_MIN_BYTES", 5 * 5 * (64 << 10))  # exactly this load
     tokens, ids = rig.tokens(7 * 16), rig.ids(7)
     original = rig.rows()
     engine.store(tokens, ids).wait()
@@ -712,12 +710,6 @@ def test_cuda_load_by_layer_is_bit_exact_and_each_layer_is_ready_at_its_event(dt
     per_layer = original.view(29, 5, -1)
     for layer, snapshot in enumerate(seen):
         assert torch.equal(snapshot.reshape(5, -1).cpu(), per_layer[ids[1:6], layer]), f"layer {layer}"
-    # One byte short of the threshold: the same load goes whole (the current stream waits for it).
-    monkeypatch.setattr(kvdepot.engine, "LAYER_LOAD_MIN_BYTES", 5 * 5 * (64 << 10) + 1)
-    poison = rig.fill()
-    assert engine.lookup(tokens) == 96
-    assert engine.retrieve_by_layer(tokens, load_ids, skip_blocks=1) == (96, None)
-    verify_rows(rig.rows(), expected, poison)
     engine.poll()
     rig.verify_idle()
 

@@ -39,7 +39,7 @@ from kvdepot.transfer import MOVERS, cuda_batch
 from kvdepot.transfer.base import BlockMover, ChunkCopy
 from kvdepot.transfer.inflight import InflightTransfers
 
-__all__ = ["LAYER_LOAD_MIN_BYTES", "LAYER_PART_MIN_BYTES", "STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
+__all__ = ["LAYER_PART_MIN_BYTES", "STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
 
 # Where the driver has a batched copy call, every block size goes as one DMA per run, a window
 # of them per call (transfer/batch.py): on the H200 (perf-notes, run O) it matched or beat the
@@ -47,13 +47,8 @@ __all__ = ["LAYER_LOAD_MIN_BYTES", "LAYER_PART_MIN_BYTES", "STAGED_BELOW_BYTES",
 # Without that call, blocks of 2 MiB and more run a DMA each near the ceiling; smaller ones are
 # gathered on the device first (transfer/staged.py).
 STAGED_BELOW_BYTES = 2 << 20
-# Loads by layer need each layer's part of a block to be one efficient copy (``can_load_by_layer``),
-# and a load large enough that the copies it hides outweigh issuing a copy per block and layer
-# before the forward starts (~1.3 us each). Measured on the H200 (perf-notes, run Q), 8B shape:
-# at 0.5 GB a layered load won 3-6 ms on a full hit and lost 3-8 ms under a 1024-token suffix;
-# at 2.1 and 4.3 GB it won 16-58 ms in both.
+# Loads by layer need each layer's part of a block to be one efficient copy (``can_load_by_layer``).
 LAYER_PART_MIN_BYTES = 64 << 10
-LAYER_LOAD_MIN_BYTES = 1 << 30
 
 
 class CacheEngine:
@@ -306,8 +301,8 @@ class CacheEngine:
         lease: Any = None,
         stream: Any = None,
     ) -> tuple[int, LayeredLoad | None]:
-        """``retrieve``, copied layer by layer where it can be (``can_load_by_layer``) and the load
-        is at least ``LAYER_LOAD_MIN_BYTES``: ``stream`` is then *not* made to wait, and the caller must wait on the returned ``LayeredLoad``
+        """``retrieve``, copied layer by layer where it can be (``can_load_by_layer``): ``stream``
+        is then *not* made to wait, and the caller must wait on the returned ``LayeredLoad``
         layer by layer before each layer reads the blocks (and wholly before anything else does).
         The load is ``None`` where it was done whole or nothing was loaded: ``stream`` then waits
         as after ``retrieve``."""
@@ -365,7 +360,6 @@ class CacheEngine:
             self.release(pin)
             return skip_blocks * B, None
         copies = [ChunkCopy(ids, slot, first) for slot, ids, first in plan]
-        by_layer = by_layer and loaded_blocks * self.layout.bytes_per_block >= LAYER_LOAD_MIN_BYTES
         layered = LayeredLoad([torch.cuda.Event() for _ in range(self.layout.num_layers)]) if by_layer else None
 
         def copy() -> None:

@@ -110,8 +110,8 @@ def test_load_by_layer_off(layered: list, monkeypatch: pytest.MonkeyPatch) -> No
 
 @pytest.mark.gpu
 def test_cuda_hit_by_layer_equals_a_whole_load_and_no_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA, for real: the hit is copied layer by layer (the tiny model's 8 KiB layer parts and
-    its small load are let through), each layer's attention waits for its own event, and the output is bitwise that
+    """On CUDA, for real: the hit is copied layer by layer (the tiny model's 8 KiB layer parts are
+    let through), each layer's attention waits for its own event, and the output is bitwise that
     of a whole load, and that of an engine without kvdepot."""
     import torch
 
@@ -120,7 +120,6 @@ def test_cuda_hit_by_layer_equals_a_whole_load_and_no_cache(monkeypatch: pytest.
     from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
 
     monkeypatch.setattr(kvdepot.engine, "LAYER_PART_MIN_BYTES", 0)
-    monkeypatch.setattr(kvdepot.engine, "LAYER_LOAD_MIN_BYTES", 0)
 
     def cuda_engine(connector: Any = (KvDepotConnectorScheduler, KvDepotConnectorWorker)) -> Engine:
         llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=1152))

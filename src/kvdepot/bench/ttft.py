@@ -132,6 +132,10 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
     eng.generate([warm], 1)
     eng.generate([_prompt(pool - 1, 8, vocab)], 1)
     eng.generate([warm], 1)
+    # ... and a forward over a suffix of the partial rows' size after a hit: in run Q the first
+    # such forward of a process took ~10 ms longer at 4K, whether its hit loaded whole or by layer.
+    eng.generate([_prompt(pool - 1, 9, vocab)], 1)
+    eng.generate([warm + _prompt(args.suffix, 10, vocab)], 1)
     rows = []
     for i, n in enumerate(lengths):
         a = _prompt(n, 100 + i, vocab)

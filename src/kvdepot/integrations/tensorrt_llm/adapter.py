@@ -10,8 +10,7 @@ Scheduler (rank 0)                               Worker (every rank)
   request_finished -> True while saves run         wait_for_save -> notes the step's saves
                                                    get_finished -> engine.store (store stream, after
                                                      sampling); requests whose saves completed
-Loads by layer (``load_by_layer: auto``: hits of >= 1 GiB, CUDA pools whose per-layer parts are
->= 64 KiB): the
+Loads by layer (``load_by_layer: auto``, CUDA pools whose per-layer parts are >= 64 KiB): the
 load is copied layer by layer and ``wait_for_layer_load(i)`` makes the forward stream wait only
 for layer ``i``, so a hit's copies overlap the forward over the new tokens. The worker only does
 so once it has seen a whole forward's layer hooks fire (TensorRT-LLM skips them on CUDA-graph
