@@ -17,7 +17,9 @@ server`` subprocess that maps the engine's pool by CUDA IPC and does the copies 
 
 and the target the issue sets, from figures measured in this run:
 ``bound = 1.2 x KV bytes / memcpy GB/s + device-hit TTFT``. A 0%-reuse run (distinct prompts)
-with and without the connector gives the miss overhead on TTFT and on decode throughput.
+with and without the connector gives the miss overhead on TTFT and on decode throughput, and the
+share of the connected runs' wall time spent inside the connector's calls (what a miss can cost
+at most: its copies run off the forward stream).
 """
 
 from __future__ import annotations
@@ -179,6 +181,48 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
     return rows
 
 
+class _ConnectorClock:
+    """Host time spent inside the in-process connector's calls (scheduler and worker), per call
+    site wrapped on the classes while the 0%-reuse rows run. The copies run off the forward stream,
+    so a miss can cost a step at most this host time: a bound that two engines' decode speeds,
+    which moved by up to 20% between paired runs on the H200 (run Q), cannot resolve."""
+
+    HOOKS = {"scheduler": ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+                           "request_finished"),
+             "worker": ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished")}
+
+    def __init__(self) -> None:
+        self.seconds, self._depth, self._saved = 0.0, 0, []
+
+    def __enter__(self) -> _ConnectorClock:
+        from kvdepot.integrations.tensorrt_llm import adapter
+
+        for cls, names in ((adapter.KvDepotConnectorScheduler, self.HOOKS["scheduler"]),
+                           (adapter.KvDepotConnectorWorker, self.HOOKS["worker"])):
+            for name in names:
+                original = cls.__dict__[name]
+                self._saved.append((cls, name, original))
+                setattr(cls, name, self._timed(original))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for cls, name, original in self._saved:
+            setattr(cls, name, original)
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            self._depth += 1
+            started = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
+                if self._depth == 0:  # a hook called from another hook is counted once
+                    self.seconds += time.perf_counter() - started
+
+        return timed
+
+
 def _misses(args: argparse.Namespace) -> list[dict]:
     """The 0%-reuse cost of the connector: an engine with it and one without, alive side by side,
     serve the same distinct prompts in turn (who goes first alternates), and each prompt's pair
@@ -195,23 +239,27 @@ def _misses(args: argparse.Namespace) -> list[dict]:
     for eng in engines.values():
         eng.generate([_prompt(min(512, args.miss_length), 7, vocab)], 2)  # warm-up
     timings: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    for i in range(args.miss_prompts):
-        prompt = _prompt(args.miss_length, 300 + i, vocab)
-        for connected in ((False, True) if i % 2 == 0 else (True, False)):
-            r = engines[connected].generate_sequential([prompt], args.decode_tokens)[0]
-            timings[connected].append((r.ttft_s, (args.decode_tokens - 1) / (r.latency_s - r.ttft_s)))
-            if connected:  # its stores finish here, not inside the other engine's timed run
-                current_engine().wait_all()
+    wall = 0.0  # the connected engine's timed runs, first token to last
+    with _ConnectorClock() as clock:
+        for i in range(args.miss_prompts):
+            prompt = _prompt(args.miss_length, 300 + i, vocab)
+            for connected in ((False, True) if i % 2 == 0 else (True, False)):
+                r = engines[connected].generate_sequential([prompt], args.decode_tokens)[0]
+                timings[connected].append((r.ttft_s, (args.decode_tokens - 1) / (r.latency_s - r.ttft_s)))
+                if connected:  # its stores finish here, not inside the other engine's timed run
+                    wall += r.latency_s
+                    current_engine().wait_all()
     _teardown()
     del engines
     _free()
     rows = [{"connector": c, "prompt": args.miss_length,
              "TTFT ms": statistics.median(t for t, _ in timings[c]) * 1e3,
              "decode tok/s": statistics.median(d for _, d in timings[c]),
-             "TTFT overhead": None, "decode overhead": None} for c in (False, True)]
+             "TTFT overhead": None, "decode overhead": None, "connector host share": None} for c in (False, True)]
     pairs = list(zip(timings[False], timings[True], strict=True))
     rows[1]["TTFT overhead"] = statistics.median(on[0] / off[0] for off, on in pairs) - 1
     rows[1]["decode overhead"] = 1 - statistics.median(on[1] / off[1] for off, on in pairs)
+    rows[1]["connector host share"] = clock.seconds / wall  # of the connected runs' wall time
     return rows
 
 
