@@ -299,7 +299,7 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("TTFT (ms)")
     ax.set_yscale("log")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title.replace(", memcpy", "\nmemcpy"), fontsize=9)  # two lines: fits the figure
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
