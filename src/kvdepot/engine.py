@@ -312,7 +312,7 @@ class CacheEngine:
     def can_load_by_layer(self) -> bool:
         """Whether loads can be split by layer here: a cross-layer pool (one view) on CUDA, a mover
         that copies by layer, and parts of at least ``LAYER_PART_MIN_BYTES`` (smaller copies run
-        the copy engines far below PCIe speed: H200, run P, 16 KiB host-to-device copies 0.10 of
+        the copy engines far below PCIe speed: H200, run Q, 16 KiB host-to-device copies 0.10 of
         a plain copy, 64 KiB 0.72 and 128 KiB 0.83 including their issue)."""
         return (len(self._views) == 1 and self._views[0].is_cuda and self.layout.num_layers > 1
                 and hasattr(self.mover, "scatter_layers")

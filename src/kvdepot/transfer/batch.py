@@ -7,9 +7,10 @@ pool and the host buffer into one copy, and enqueues a window's copies with a si
 ``cuMemcpyBatchAsync`` (``cuda_batch``). No staging memory, no kernels, no SMs: copy engines only.
 
 Windows keep the first copies running while later windows are handed over: the first is small
-(2 MiB) so that the copy engines start at once, and they double up to 64 MiB (``window_bounds``). Measured on the H200 (perf-notes, run O): best of the movers for blocks of 1 MiB and
-more; for 256 KiB blocks the copy engines' cost per copy makes the staged mover's gather-then-
-copy as good or better, and ``auto`` picks by block size.
+(2 MiB) so that the copy engines start at once, and they double up to 64 MiB (``window_bounds``).
+Measured on the H200 (perf-notes, runs O and Q): the best mover from 256 KiB blocks up, with no SMs
+taken from the forward; ``auto`` picks it wherever the driver has the call. ``scatter_layers``
+loads a cross-layer pool one layer at a time, for TensorRT-LLM's ``wait_for_layer_load``.
 
 Falls back to the per-run torch copies where the batch call cannot be used: CPU pools, a caller
 on the legacy default stream, host buffers that are not pinned (torch copies those correctly,
@@ -60,8 +61,9 @@ def window_bounds(sizes: np.ndarray, window_bytes: int, first_bytes: int | None 
     falls in (so a copy larger than a window ends one).
 
     Why growing: the copy engines start on a window only once its driver call has returned, and
-    the call costs ~1.3 us of host time per copy (H200 host, run P: a 64 MiB window of 256 KiB
-    blocks kept the engines idle ~0.4 ms at the start of every move). A small first window starts
+    the call costs ~0.5-1.7 us of host time per copy (H200 host, run P: a 64 MiB window of 256 KiB
+    blocks kept the engines idle ~0.5 ms at the start of every move; run Q, growing: 1B-shape
+    stores 0.75 -> 0.84 of memcpy, loads 0.81 -> 0.90). A small first window starts
     them at once; each next window is issued while the previous, half its size, is copied, and a
     copy takes longer than its issue (~4.7 us for 256 KiB at PCIe speed)."""
     if not len(sizes):
