@@ -81,6 +81,8 @@ class LayeredLoad:
         self.waited = 0  # layers 0..waited-1 have been waited for by some stream
 
     def wait_layer(self, layer: int, stream: object) -> None:
+        if not 0 <= layer < len(self.events):
+            return  # a layer outside this pool (e.g. a draft model's): nothing of it is loaded here
         stream.wait_event(self.events[layer])  # type: ignore[attr-defined]
         if layer == self.waited:
             self.waited += 1

@@ -37,6 +37,27 @@ class _NoStream:
         pass
 
 
+def test_layered_load_counts_only_in_order_waits_and_ignores_foreign_layers() -> None:
+    waits: list = []
+
+    class Stream:
+        def wait_event(self, event: Any) -> None:
+            waits.append(event)
+
+    events = [object(), object(), object()]
+    load = LayeredLoad(events)
+    load.wait_layer(1, Stream())  # out of order: waited on, but not "in order"
+    load.wait_layer(7, Stream())  # not a layer of this pool (a draft model's hook): ignored
+    load.wait_layer(-1, Stream())
+    assert waits == [events[1]] and not load.fully_waited
+    for layer in range(3):
+        load.wait_layer(layer, Stream())
+    assert load.fully_waited and waits[1:] == events
+    other = LayeredLoad(events)
+    other.wait_all(Stream())
+    assert other.fully_waited and waits[-1] is events[-1]
+
+
 @pytest.fixture
 def layered(monkeypatch: pytest.MonkeyPatch) -> list:
     """``retrieve_by_layer`` loads whole (correct KV on CPU) and hands back a recorded load."""
