@@ -270,8 +270,8 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         on a 4K-token miss). Enqueued in ``get_finished`` — after sampling, before the executor
         can free or reuse any block — the store still never makes the forward stream wait.
         """
-        if self._engine is not None and self._hook_layers == self._engine.layout.num_layers:
-            self._hooks_fire = True  # every layer's hook ran, in order, during this forward
+        if self._engine is not None and self._hook_layers >= self._engine.layout.num_layers:
+            self._hooks_fire = True  # every layer's hook ran, in order, during this forward (draft layers may follow)
         self._hook_layers = 0
         self._settle_layered(stream)
         meta = self._meta()
