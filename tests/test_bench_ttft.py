@@ -23,6 +23,7 @@ def test_ttft_bench_in_process_and_through_a_server(tmp_path):
     for row in hits:  # every hit is served by kvdepot (all but the last block) and exact
         assert row["tokens loaded"] == row["prompt"] - 32
         assert row["hit==device bitwise"] and row["tokens==recompute"]
+        assert row["by layer"] is False  # a CPU pool always loads whole
         assert row["+64 partial hit ms"] > 0 and row["suffix only ms"] > 0  # (the bench checks what each loaded)
     assert [r["connector"] for r in result["misses"]] == [False, True]
     assert 0 < result["misses"][1]["connector host share"] < 1  # the connector's calls were timed

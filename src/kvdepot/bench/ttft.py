@@ -143,7 +143,9 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
         a = _prompt(n, 100 + i, vocab)
         miss = eng.generate([a], 1)[0]
         eng.generate([_prompt(pool - 1, 200 + i, vocab)], 1)  # evicts A from the engine's pool
+        layered = _layered_loads(server_url)
         hit = eng.generate([a], 1)[0]
+        layered = _layered_loads(server_url) - layered
         device = eng.generate([a], 1)[0]
         eng.generate([_prompt(pool - 1, 250 + i, vocab)], 1)
         partial = eng.generate([a + _prompt(args.suffix, 400 + i, vocab)], 1)[0]
@@ -164,6 +166,7 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
             "bound ms": bound * 1e3,
             "hit/bound": hit.ttft_s / bound,
             "speed-up": miss.ttft_s / hit.ttft_s,
+            "by layer": layered > 0,  # the hit was loaded by layer (the engine counted it)
             "hit==device bitwise": bool(torch.equal(hit.logits[0], device.logits[0])),
             "tokens==recompute": hit.output_ids == miss.output_ids,
             f"+{args.suffix} partial hit ms": partial.ttft_s * 1e3,
@@ -221,6 +224,13 @@ class _ConnectorClock:
                     self.seconds += time.perf_counter() - started
 
         return timed
+
+
+def _layered_loads(server_url: str | None) -> int:
+    """The in-process engine's count of loads issued by layer (the server loads whole: 0)."""
+    from kvdepot.integrations.tensorrt_llm.utils import current_engine
+
+    return 0 if server_url else current_engine().stats().layered_loads
 
 
 def _misses(args: argparse.Namespace) -> list[dict]:
