@@ -180,8 +180,8 @@ def test_empty_block_lists_move_nothing(device, mover):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_many_chunks_round_trip_on_two_streams_at_once(mover_name, per_layer, dtype):
     """Staged: windows far smaller than the batch, so every window of both lanes is reused many
-    times while the previous copy may still run. Batch: many driver calls of a few copies each,
-    on two streams at once. Stores and loads stay bit-exact either way."""
+    times while the previous copy may still run. Batch: many driver calls, growing from one block
+    to eight, on two streams at once. Stores and loads stay bit-exact either way."""
     from kvdepot.transfer import BatchBlockMover, StagedBlockMover
     from kvdepot.transfer.base import ChunkCopy
 
@@ -189,8 +189,12 @@ def test_many_chunks_round_trip_on_two_streams_at_once(mover_name, per_layer, dt
     pool, views, gen = make_pool(c, "cuda")
     original = pool.view(torch.uint8).cpu().clone()
     block_bytes = sum(v.shape[1] for v in views)
-    # 1-3 blocks per window (>= 1 chunk): many windows, many launches
-    mover = (StagedBlockMover if mover_name == "staged" else BatchBlockMover)(window_bytes=3 * block_bytes)
+    # Staged: 1-3 blocks per window (>= 1 chunk): many windows, many launches. Batch: windows of
+    # 1, 2, 4, then 8 blocks' bytes (a copy ends the window its last byte falls in).
+    if mover_name == "staged":
+        mover = StagedBlockMover(window_bytes=3 * block_bytes)
+    else:
+        mover = BatchBlockMover(window_bytes=8 * block_bytes, first_window_bytes=block_bytes)
     ids = torch.randperm(97, generator=gen).tolist()
     sizes = [1, 3, 2, 5, 1, 4, 2, 3, 7, 1]  # odd chunk sizes; some exceed a window on their own
     chunks, at = [], 0
