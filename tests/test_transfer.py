@@ -419,11 +419,12 @@ def test_batch_mover_on_cpu_pools_is_the_per_run_mover():
     assert torch.equal(buf, expected)
 
 
+@pytest.mark.parametrize("growing", [False, True])
 @pytest.mark.parametrize("refuse_call", [None, 1, 3])
-def test_batch_mover_redoes_a_refused_move_with_torch_and_counts_it(monkeypatch, caplog, refuse_call):
+def test_batch_mover_redoes_a_refused_move_with_torch_and_counts_it(monkeypatch, caplog, refuse_call, growing):
     """A move the driver refuses part of is done again by per-run copies: a store is not lost and
     a load never leaves the pool unwritten (TensorRT-LLM could not hear of a failed load). The
-    windows it did hand over partition the copy list in order."""
+    windows it did hand over partition the copy list in order, and grow from the first one."""
     import ctypes
 
     from kvdepot.transfer import BatchBlockMover, cuda_batch
@@ -441,7 +442,7 @@ def test_batch_mover_redoes_a_refused_move_with_torch_and_counts_it(monkeypatch,
     c = dict(num_blocks=12, layers=2, kv=2, elems=16, dtype=torch.float16, per_layer=True, seed=9)
     pool, views, gen = make_pool(c, "cpu")
     per_block = sum(v.shape[1] for v in views)
-    mover = BatchBlockMover(window_bytes=2 * per_block)
+    mover = BatchBlockMover(window_bytes=2 * per_block, first_window_bytes=per_block // 4 if growing else None)
     monkeypatch.setattr(BatchBlockMover, "_stream", staticmethod(lambda views, copies: 7))  # as if on CUDA
     monkeypatch.setattr(cuda_batch, "memcpy_batch", driver)
     ids = torch.randperm(12, generator=gen).tolist()
@@ -456,6 +457,8 @@ def test_batch_mover_redoes_a_refused_move_with_torch_and_counts_it(monkeypatch,
         assert mover.refused == 0 and len(calls) > 1
         assert sum(sum(sizes) for _, _, sizes in calls) == 12 * per_block
         assert all(sum(sizes) <= 2 * per_block for _, _, sizes in calls)
+        spans = [sum(sizes) for _, _, sizes in calls]
+        assert (spans[0] < spans[1] <= spans[2]) if growing else spans[0] == 2 * per_block
     else:
         assert len(calls) == refuse_call and mover.refused == 1 and "refused a batched copy" in caplog.text
     original = pool.view(torch.uint8).clone()

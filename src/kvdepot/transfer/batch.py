@@ -83,7 +83,8 @@ def window_bounds(sizes: np.ndarray, window_bytes: int, first_bytes: int | None 
 class BatchBlockMover(OneChunk):
     """Per-run DMA copies, a window's worth per driver call."""
 
-    def __init__(self, window_bytes: int = WINDOW_BYTES, first_window_bytes: int = FIRST_WINDOW_BYTES) -> None:
+    def __init__(self, window_bytes: int = WINDOW_BYTES, first_window_bytes: int | None = FIRST_WINDOW_BYTES) -> None:
+        """``first_window_bytes``: the first window's size (doubling up to ``window_bytes``); None: all equal."""
         self.window_bytes = window_bytes
         self.first_window_bytes = first_window_bytes
         self.refused = 0  # batches the driver refused (each then copied by torch)
