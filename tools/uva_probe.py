@@ -136,7 +136,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--batch", action="store_true",
-                   help="only cuMemcpyBatchAsync: one driver call issuing a DMA copy per block")
+                   help="only cuMemcpyBatchAsync: one driver call issuing a DMA copy per block; then both directions in growing windows from one thread, interleaved, and from two threads")
     p.add_argument("--hybrid", action="store_true",
                    help="only both-at-once with one direction by kernel and the other by DMA copy")
     args = p.parse_args()
@@ -260,6 +260,46 @@ def main() -> None:
         torch.cuda.synchronize()
         print(f"batched DMA per block: store {ratio(b_store, plain_d2h):.3f} load {ratio(b_load, plain_h2d):.3f} "
               f"both {ratio(b_both, both_ceiling):.3f}; one call issues {n} copies in {issue * 1e6:.0f} us", flush=True)
+        # Both directions in the engine's growing windows, issued three ways: is a store issued by a
+        # second thread while the caller issues a load held back by the driver itself?
+        from concurrent.futures import ThreadPoolExecutor
+
+        import numpy as np
+
+        from kvdepot.transfer.batch import FIRST_WINDOW_BYTES, WINDOW_BYTES, window_bounds
+
+        bounds = window_bounds(np.full(n, seg, dtype=np.int64), WINDOW_BYTES, FIRST_WINDOW_BYTES)
+
+        def issue(dsts, srcs, stream):
+            for lo, hi in bounds:
+                batch(dsts[lo:hi], srcs[lo:hi], seg, stream.cuda_stream)
+
+        def one_thread():  # the store's windows, then the load's
+            s2.wait_stream(s1)
+            issue(dst_out, src_out, s1)
+            issue(dst_in, src_in, s2)
+            s1.wait_stream(s2)
+
+        def interleaved():  # one thread, the two directions' windows alternately
+            s2.wait_stream(s1)
+            for lo, hi in bounds:
+                batch(dst_out[lo:hi], src_out[lo:hi], seg, s1.cuda_stream)
+                batch(dst_in[lo:hi], src_in[lo:hi], seg, s2.cuda_stream)
+            s1.wait_stream(s2)
+
+        issuers = ThreadPoolExecutor(2)
+
+        def two_threads():  # the store from one thread, the load from another, at once
+            s2.wait_stream(s1)
+            jobs = [issuers.submit(issue, dst_out, src_out, s1), issuers.submit(issue, dst_in, src_in, s2)]
+            for job in jobs:
+                job.result()
+            s1.wait_stream(s2)
+
+        print(f"both, growing windows ({len(bounds)} calls per direction): one thread {ratio(one_thread, both_ceiling):.3f} "
+              f"interleaved {ratio(interleaved, both_ceiling):.3f} two threads {ratio(two_threads, both_ceiling):.3f}",
+              flush=True)
+        issuers.shutdown()
         return
     if args.hybrid:
         def kernel_load_dma_store(cfg):
