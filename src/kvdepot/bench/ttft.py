@@ -32,6 +32,7 @@ import random
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -109,16 +110,10 @@ def _teardown() -> None:
 
 
 def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None = None) -> list[dict]:
-    saved = os.environ.get("KVDEPOT_LOAD_BY_LAYER")
-    if mode == "whole":
-        os.environ["KVDEPOT_LOAD_BY_LAYER"] = "off"
-    try:
+    """The hit rows of one mode; ``whole`` is in-process with loads by layer off (the engine
+    reads its config from the environment when the connector creates it)."""
+    with mock.patch.dict(os.environ, {"KVDEPOT_LOAD_BY_LAYER": "off"} if mode == "whole" else {}):
         return _hit_rows(args, lengths, h2d, mode, server_url)
-    finally:
-        if saved is None:
-            os.environ.pop("KVDEPOT_LOAD_BY_LAYER", None)
-        else:
-            os.environ["KVDEPOT_LOAD_BY_LAYER"] = saved
 
 
 def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None) -> list[dict]:
