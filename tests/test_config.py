@@ -78,6 +78,7 @@ BAD_VALUES = [
     ("bad-choice-hash", {"hash_algo": "sha256"}, {}, None, ["'hash_algo'", "'sha256'", "'xxh3_128', 'blake3'"]),
     ("bad-choice-pin", {"pin_host_memory": "maybe"}, {}, None, ["'pin_host_memory'", "'maybe'", "'auto'"]),
     ("env-bad-choice", {}, {"KVDEPOT_LOG_LEVEL": "trace"}, None, ["'log_level'", "'trace'", "'INFO'"]),
+    ("env-bad-load-by-layer", {}, {"KVDEPOT_LOAD_BY_LAYER": "on"}, None, ["'load_by_layer'", "'on'", "'auto', 'off'"]),
     ("env-bad-bool", {}, {"KVDEPOT_SAVE_DECODE_CACHE": "maybe"}, None, ["'save_decode_cache'", "'maybe'", "true or false"]),
     ("env-empty-bool", {}, {"KVDEPOT_SAVE_DECODE_CACHE": ""}, None, ["'save_decode_cache'", "''", "true or false"]),
     ("env-bad-int", {}, {"KVDEPOT_CHUNK_SIZE": "12x"}, None, ["'chunk_size'", "'12x'", "an integer"]),
