@@ -13,6 +13,8 @@ For one pool shape and mover, with the same 8K-token operations as ``bench trans
   directions   for "store then load", when each direction's first copy starts and last one ends,
                relative to the call (torch.profiler)
   --profile    cProfile of the host side of one store and one retrieve
+  --stamps     per thread, when the copy list was built and the first and last driver calls
+               returned (batch mover), ms from the call: where a move's start latency goes
   --trace F    Chrome trace of one "store then load" (streams, copies, kernels) written to F
   --switch-interval S   run with CPython's GIL switch interval set to S seconds (a diagnostic)
 
@@ -41,6 +43,7 @@ ap.add_argument("--tokens", type=int, default=8192)
 ap.add_argument("--mover", default="staged")
 ap.add_argument("--reps", type=int, default=7)
 ap.add_argument("--profile", action="store_true")
+ap.add_argument("--stamps", action="store_true")
 ap.add_argument("--trace", default=None)
 ap.add_argument("--switch-interval", type=float, default=None,
                 help="sys.setswitchinterval for this run (seconds; CPython's default 0.005): is a thread waiting for the GIL?")
@@ -197,7 +200,54 @@ for label, tag in (("d2h (store)", "dtoh"), ("h2d (load)", "htod"), ("kernels", 
         print(f"  {label:12s} n={len(sel):4d} first start {first / 1e3:6.2f} ms  last end {last / 1e3:6.2f} ms  "
               f"sum {busy / 1e3:6.2f} ms  names {sorted({e.name for e in sel})[:3]}")
 
+if a.stamps:
+    import threading
+
+    from kvdepot.transfer import batch as batch_module
+    from kvdepot.transfer import cuda_batch
+
+    stamps: list[tuple[str, str, float]] = []  # (thread, what, perf_counter)
+    inner_runs, inner_call = batch_module.copy_runs, cuda_batch.memcpy_batch
+
+    def stamped_runs(*args):
+        stamps.append((threading.current_thread().name, "list", time.perf_counter()))
+        out = inner_runs(*args)
+        stamps.append((threading.current_thread().name, "listed", time.perf_counter()))
+        return out
+
+    def stamped_call(*args):
+        inner_call(*args)
+        stamps.append((threading.current_thread().name, "call", time.perf_counter()))
+
+    batch_module.copy_runs, cuda_batch.memcpy_batch = stamped_runs, stamped_call
+    # the stores last: the arena holds three operations, and a store evicts ``held`` unless a
+    # lookup keeps it recent (as the loads do)
+    for name, fn in (("retrieve", lambda: load(held[0], targets)), ("store then load", store_first),
+                     ("store", lambda: store(pending.pop()))):
+        rows: dict[str, list[list[float]]] = {}
+        for _ in range(a.reps):
+            torch.cuda.synchronize()
+            del stamps[:]
+            t0 = time.perf_counter()
+            handle = fn()
+            returned = time.perf_counter() - t0
+            if handle is not None:
+                handle.wait()
+            torch.cuda.synchronize()
+            for thread in dict.fromkeys(s[0] for s in stamps):
+                mine = [(w, t - t0) for th, w, t in stamps if th == thread]
+                calls = [t for w, t in mine if w == "call"]
+                marks = [next(t for w, t in mine if w == "list"), next(t for w, t in mine if w == "listed"),
+                         calls[0], calls[-1], returned, len(calls)]
+                rows.setdefault(thread, []).append(marks)
+        for thread, marks in rows.items():
+            med = [statistics.median(m[k] for m in marks) * (1e3 if k < 5 else 1) for k in range(6)]
+            print(f"stamps {name:16s} {thread:20s} list {med[0]:.2f} -> {med[1]:.2f} ms, first call back {med[2]:.2f}, "
+                  f"last {med[3]:.2f} ({med[5]:.0f} calls); the caller's call returned at {med[4]:.2f}")
+    batch_module.copy_runs, cuda_batch.memcpy_batch = inner_runs, inner_call
+
 if a.profile:
+    store(held).wait()  # the stores above evicted it
     prof_c = cProfile.Profile()
     for _ in range(3):
         torch.cuda.synchronize()
@@ -206,6 +256,6 @@ if a.profile:
         load(held[0], targets)
         prof_c.disable()
         h.wait()
-    pstats.Stats(prof_c).sort_stats("tottime").print_stats(18)
+    pstats.Stats(prof_c).sort_stats("cumulative").print_stats(30)
 engine.wait_all()
 engine.close()

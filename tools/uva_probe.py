@@ -287,7 +287,7 @@ def main() -> None:
                 batch(dst_in[lo:hi], src_in[lo:hi], seg, s2.cuda_stream)
             s1.wait_stream(s2)
 
-        issuers = ThreadPoolExecutor(2)
+        issuers = ThreadPoolExecutor(2, initializer=torch.cuda.synchronize)  # binds the context to each thread
 
         def two_threads():  # the store from one thread, the load from another, at once
             s2.wait_stream(s1)
