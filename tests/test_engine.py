@@ -25,6 +25,7 @@ from kvdepot.config import DepotConfig
 from kvdepot.engine import CacheEngine
 from kvdepot.errors import ConfigError, LayoutError
 from kvdepot.layout import PoolLayout
+from kvdepot.transfer.layered import LAYERS_AHEAD
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float8_e4m3fn]
 # Every registered mover must meet the same contract (the registry may not exist in older trees).
@@ -700,6 +701,7 @@ def test_cuda_load_by_layer_is_bit_exact_and_each_layer_is_ready_at_its_event(dt
         assert engine.lookup(tokens) == 96
         got, load = engine.retrieve_by_layer(tokens, load_ids, skip_blocks=1)
         assert got == 96 and load is not None and len(load.events) == 5
+        assert load.issued == min(5, LAYERS_AHEAD)  # the rest is enqueued as the forward waits
         for layer in range(5):
             load.wait_layer(layer, forward)
             seen.append(layers[load_ids[1:6], layer].clone())  # what layer ``layer``'s attention would read
@@ -710,6 +712,35 @@ def test_cuda_load_by_layer_is_bit_exact_and_each_layer_is_ready_at_its_event(dt
     per_layer = original.view(29, 5, -1)
     for layer, snapshot in enumerate(seen):
         assert torch.equal(snapshot.reshape(5, -1).cpu(), per_layer[ids[1:6], layer]), f"layer {layer}"
+    engine.poll()
+    rig.verify_idle()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("waiter", ["wait_all", "store_wait"])
+def test_cuda_layered_load_nobody_waits_for_is_enqueued_by_the_next_wait(waiter):
+    """A layered load whose forward never comes: ``engine.wait_all`` — or a later store's
+    ``wait``, which completes behind it — enqueues its remaining layers instead of waiting
+    forever for copies nobody would enqueue; the blocks then hold exactly the stored bytes."""
+    elem = torch.empty(0, dtype=torch.bfloat16).element_size()
+    layers = LAYERS_AHEAD + 3
+    rig = Rig(device="cuda", tpb=16, bpc=2, layers=layers, kv=2, row=(64 << 10) // (2 * 16 * elem),
+              num_blocks=24, mover="batch", seed=int(torch.randint(0, 2**31, ())))
+    engine = rig.engine
+    tokens, ids = rig.tokens(4 * 16), rig.ids(4)
+    original = rig.rows()
+    engine.store(tokens, ids).wait()
+    poison = rig.fill()
+    load_ids = rig.ids(4)
+    got, load = engine.retrieve_by_layer(tokens, load_ids)
+    assert got == 64 and load is not None and load.issued == LAYERS_AHEAD
+    if waiter == "wait_all":
+        engine.wait_all()
+    else:
+        engine.store(rig.tokens(2 * 16), [b for b in range(24) if b not in load_ids][:2]).wait()
+    assert load.fully_issued
+    torch.cuda.synchronize()
+    verify_rows(rig.rows(), {load_ids[p]: original[ids[p]] for p in range(4)}, poison)  # a store only reads the pool
     engine.poll()
     rig.verify_idle()
 

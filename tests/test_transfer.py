@@ -469,10 +469,11 @@ def test_batch_mover_redoes_a_refused_move_with_torch_and_counts_it(monkeypatch,
 
 @pytest.mark.parametrize("refuse_call", [None, 1, 3])
 def test_batch_mover_scatters_layer_by_layer(monkeypatch, caplog, refuse_call):
-    """``scatter_layers`` on a cross-layer pool: when ``after_layer(l)`` is called, layers 0..l of
-    every listed block hold the host bytes and later layers are untouched; at the end the pool is
-    exactly what a whole scatter writes. A refused call finishes the move whole, and every layer
-    is still reported once, in order. (The driver is played by memmove on CPU memory.)"""
+    """``scatter_layers`` on a cross-layer pool: once it has yielded ``l``, layers 0..l of every
+    listed block hold the host bytes and later layers are untouched (nothing is copied ahead of
+    the caller's ``next()``); at the end the pool is exactly what a whole scatter writes. A
+    refused call finishes the move whole, and every layer is still yielded once, in order. (The
+    driver is played by memmove on CPU memory.)"""
     import ctypes
 
     from kvdepot.transfer import cuda_batch
@@ -501,15 +502,13 @@ def test_batch_mover_scatters_layer_by_layer(monkeypatch, caplog, refuse_call):
     TorchBlockMover().scatter_many(copies, [want.reshape(10, -1)])
     poison = got.clone()
     reported = []
-
-    def after_layer(layer):
-        reported.append(layer)
-        if refuse_call is None:
-            assert torch.equal(got[ids[:9], : layer + 1], want[ids[:9], : layer + 1])
-            assert torch.equal(got[ids[:9], layer + 1 :], poison[ids[:9], layer + 1 :])
-
     with caplog.at_level("WARNING", logger="kvdepot"):
-        BatchBlockMover().scatter_layers(copies, views, layers, after_layer)
+        for layer in BatchBlockMover().scatter_layers(copies, views, layers):
+            reported.append(layer)
+            if refuse_call is None:
+                assert len(calls) == layer + 1  # one driver call per layer, none ahead
+                assert torch.equal(got[ids[:9], : layer + 1], want[ids[:9], : layer + 1])
+                assert torch.equal(got[ids[:9], layer + 1 :], poison[ids[:9], layer + 1 :])
     assert reported == list(range(layers))
     assert torch.equal(got, want)  # the listed blocks loaded, block 9 (not listed) untouched
     assert (refuse_call is None) == ("refused" not in caplog.text)
@@ -517,7 +516,7 @@ def test_batch_mover_scatters_layer_by_layer(monkeypatch, caplog, refuse_call):
 
 def test_batch_mover_scatters_whole_where_it_cannot_split_by_layer():
     """Per-layer views (one view per layer: not a cross-layer pool) or a CPU pool: the move is
-    whole, and every layer is reported after it."""
+    whole at the first step, and every layer is yielded after it."""
     from kvdepot.transfer.base import ChunkCopy
     from kvdepot.transfer.batch import BatchBlockMover
 
@@ -527,8 +526,7 @@ def test_batch_mover_scatters_whole_where_it_cannot_split_by_layer():
     copies = [ChunkCopy([4, 1], random_bytes((2 * per_block,), gen))]
     want = pool.view(torch.uint8).clone()
     TorchBlockMover().scatter_many(copies, [want[:, layer].reshape(6, -1) for layer in range(3)])
-    reported = []
-    BatchBlockMover().scatter_layers(copies, views, 3, lambda layer: reported.append((layer, pool.view(torch.uint8).clone())))
+    reported = [(layer, pool.view(torch.uint8).clone()) for layer in BatchBlockMover().scatter_layers(copies, views, 3)]
     assert [layer for layer, _ in reported] == [0, 1, 2]
     assert all(torch.equal(seen, want) for _, seen in reported)
 

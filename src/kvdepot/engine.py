@@ -304,8 +304,11 @@ class CacheEngine:
         """``retrieve``, copied layer by layer where it can be (``can_load_by_layer``): ``stream``
         is then *not* made to wait, and the caller must wait on the returned ``LayeredLoad``
         layer by layer before each layer reads the blocks (and wholly before anything else does).
+        Its layers are enqueued as it is waited on, a few ahead (``transfer/layered.py``); what
+        nobody waited for is enqueued by ``wait_all`` and the store handles' ``wait``.
         The load is ``None`` where it was done whole or nothing was loaded: ``stream`` then waits
-        as after ``retrieve``."""
+        as after ``retrieve``. Raises ``TransferFailed`` where the copies cannot be enqueued
+        (now, or from the load's ``wait_layer`` later)."""
         return self._retrieve(tokens, block_ids, keys, skip_blocks, num_blocks, lease, stream,
                               by_layer=self.can_load_by_layer())
 
@@ -360,16 +363,13 @@ class CacheEngine:
             self.release(pin)
             return skip_blocks * B, None
         copies = [ChunkCopy(ids, slot, first) for slot, ids, first in plan]
-        layered = LayeredLoad([torch.cuda.Event() for _ in range(self.layout.num_layers)]) if by_layer else None
-
-        def copy() -> None:
-            if layered is None:
-                self.mover.scatter_many(copies, self._views)
-            else:  # each event recorded on the load's side stream, the current one here
-                self.mover.scatter_layers(copies, self._views, self.layout.num_layers,  # type: ignore[attr-defined]
-                                          lambda layer: layered.events[layer].record())
-
-        self._transfers.run(copy, lambda: self.host.release(pin), stream, store=False, caller_waits=layered is None)
+        layered = None
+        if by_layer:  # enqueued a few layers ahead of the forward as it waits (transfer/layered.py)
+            layers = self.mover.scatter_layers(copies, self._views, self.layout.num_layers)  # type: ignore[attr-defined]
+            layered = self._transfers.start_layered(layers, self.layout.num_layers, lambda: self.host.release(pin), stream)
+        else:
+            self._transfers.run(lambda: self.mover.scatter_many(copies, self._views), lambda: self.host.release(pin),
+                                stream, store=False)
         with self._lock:
             self._stats.loaded_chunks += len(plan)
             self._stats.layered_loads += layered is not None

@@ -4,6 +4,7 @@ same ``Hit``):
     Hit           probe: where the cached run ends, and how much of it is in host memory now
     StoreHandle   store: the copies in flight, ``done()`` / ``wait()``
     LayeredLoad   retrieve_by_layer: one event per layer, for the forward to wait on layer by layer
+                  (defined with its mechanism in ``transfer/layered.py``)
     EngineStats   stats: counters and a snapshot of the tiers
 """
 
@@ -13,6 +14,9 @@ from dataclasses import dataclass, field
 
 from kvdepot.storage.base import TierStats
 from kvdepot.transfer.inflight import InflightTransfers
+from kvdepot.transfer.layered import LayeredLoad
+
+__all__ = ["EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
 
 
 @dataclass
@@ -66,32 +70,3 @@ class StoreHandle:
     def wait(self) -> None:
         if self._token is not None:
             self._transfers.wait_for(self._token)
-
-
-class LayeredLoad:
-    """A load whose layers become readable one by one: layer ``l`` of every loaded block is in the
-    pool once ``events[l]`` has passed. The caller's stream was *not* made to wait for the load;
-    it must wait for each layer before that layer's attention reads it (``wait_layer``, in
-    TensorRT-LLM's ``wait_for_layer_load``) and for all of it before anything else uses the
-    blocks (``wait_all``). Layers are copied in order on one stream, so the last layer's event
-    passing means the whole load is done."""
-
-    def __init__(self, events: list) -> None:
-        self.events = events
-        self.waited = 0  # layers 0..waited-1 have been waited for by some stream
-
-    def wait_layer(self, layer: int, stream: object) -> None:
-        if not 0 <= layer < len(self.events):
-            return  # a layer outside this pool (e.g. a draft model's): nothing of it is loaded here
-        stream.wait_event(self.events[layer])  # type: ignore[attr-defined]
-        if layer == self.waited:
-            self.waited += 1
-
-    def wait_all(self, stream: object) -> None:
-        stream.wait_event(self.events[-1])  # type: ignore[attr-defined]
-        self.waited = len(self.events)
-
-    @property
-    def fully_waited(self) -> bool:
-        """Every layer was waited for, in order: nothing read a layer before its copies ended."""
-        return self.waited == len(self.events)

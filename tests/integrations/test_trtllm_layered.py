@@ -20,7 +20,7 @@ class RecordedLoad(LayeredLoad):
     """A layered load whose waits are written down instead of enqueued (no CUDA here)."""
 
     def __init__(self, layers: int, log: list) -> None:
-        super().__init__([object()] * layers)
+        super().__init__(iter(range(layers)), [_Event() for _ in range(layers)], None, lambda error: None)
         self.log = log
 
     def wait_layer(self, layer: int, stream: Any) -> None:
@@ -37,25 +37,104 @@ class _NoStream:
         pass
 
 
+class _Event:
+    """A CUDA event's part in a layered load: recorded once its layer is enqueued."""
+
+    def __init__(self, log: list | None = None, name: Any = None) -> None:
+        self.recorded, self.log, self.name = False, log, name
+
+    def record(self) -> None:
+        self.recorded = True
+        if self.log is not None:
+            self.log.append(("recorded", self.name))
+
+
+def _load(layers: int, log: list, fail_at: int | None = None) -> tuple[LayeredLoad, list]:
+    """A layered load over a mover double that logs each layer it enqueues (and can fail)."""
+    done: list = []
+
+    def mover():
+        for layer in range(layers):
+            if layer == fail_at:
+                raise RuntimeError("the driver said no")
+            log.append(("enqueued", layer))
+            yield layer
+
+    events = [_Event(log, layer) for layer in range(layers)]
+    return LayeredLoad(mover(), events, None, done.append), done
+
+
+class _Stream:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def wait_event(self, event: Any) -> None:
+        assert event.recorded, "a stream made to wait for an event not recorded yet passes at once"
+        self.log.append(("waited", event.name))
+
+
 def test_layered_load_counts_only_in_order_waits_and_ignores_foreign_layers() -> None:
-    waits: list = []
-
-    class Stream:
-        def wait_event(self, event: Any) -> None:
-            waits.append(event)
-
-    events = [object(), object(), object()]
-    load = LayeredLoad(events)
-    load.wait_layer(1, Stream())  # out of order: waited on, but not "in order"
-    load.wait_layer(7, Stream())  # not a layer of this pool (a draft model's hook): ignored
-    load.wait_layer(-1, Stream())
-    assert waits == [events[1]] and not load.fully_waited
+    log: list = []
+    load, _ = _load(3, log)
+    load.wait_layer(1, _Stream(log))  # out of order: waited on, but not "in order"
+    load.wait_layer(7, _Stream(log))  # not a layer of this pool (a draft model's hook): ignored
+    load.wait_layer(-1, _Stream(log))
+    assert [e for e in log if e[0] == "waited"] == [("waited", 1)] and not load.fully_waited
     for layer in range(3):
-        load.wait_layer(layer, Stream())
-    assert load.fully_waited and waits[1:] == events
-    other = LayeredLoad(events)
-    other.wait_all(Stream())
-    assert other.fully_waited and waits[-1] is events[-1]
+        load.wait_layer(layer, _Stream(log))
+    assert load.fully_waited and [e for e in log if e[0] == "waited"][1:] == [("waited", i) for i in range(3)]
+    other, _ = _load(3, [])
+    other.wait_all(_Stream([]))
+    assert other.fully_waited
+
+
+def test_layered_load_enqueues_a_few_layers_ahead_of_the_waits() -> None:
+    """Nothing is enqueued until asked; each wait enqueues through ``LAYERS_AHEAD`` layers past the
+    one waited for, every layer's event is recorded right after its copies and before any stream
+    waits for it, and the transfer hears once that every layer is enqueued."""
+    from kvdepot.transfer.layered import LAYERS_AHEAD
+
+    layers, log = LAYERS_AHEAD + 6, []
+    load, done = _load(layers, log)
+    assert log == [] and load.issued == 0
+    load.issue_through(2)
+    assert log == [("enqueued", 0), ("recorded", 0), ("enqueued", 1), ("recorded", 1)]
+    for layer in range(layers):
+        load.wait_layer(layer, _Stream(log))
+        assert load.issued == min(layers, layer + 1 + LAYERS_AHEAD)
+        assert done == ([None] if load.issued == layers else [])
+    assert [e for e in log if e[0] != "waited"] == [(w, i) for i in range(layers) for w in ("enqueued", "recorded")]
+    assert load.fully_waited and load.fully_issued and done == [None]
+
+
+def test_layered_load_that_cannot_be_enqueued_fails_every_later_wait() -> None:
+    """A mover failing at layer 3: the layers before stay waitable, the transfer hears of the
+    error once, and every wait for a layer not enqueued raises ``TransferFailed`` (a forward must
+    not read blocks the load never filled); ``finish`` (shutdown) does not raise."""
+    from kvdepot.transfer.layered import TransferFailed
+
+    log: list = []
+    load, done = _load(8, log, fail_at=3)
+    load.issue_through(3)
+    assert done == []
+    with pytest.raises(TransferFailed, match="after 3 layers"):
+        load.wait_layer(0, _Stream(log))  # enqueues through 0 + 1 + LAYERS_AHEAD: reaches layer 3
+    assert len(done) == 1 and isinstance(done[0], RuntimeError)
+    for wait in (lambda: load.wait_layer(4, _Stream(log)), lambda: load.wait_all(_Stream(log))):
+        with pytest.raises(TransferFailed):
+            wait()
+    load.finish()
+    assert len(done) == 1 and not [e for e in log if e[0] == "waited"] and load.fully_issued
+
+
+def test_layered_load_refuses_a_mover_that_skips_a_layer() -> None:
+    from kvdepot.transfer.layered import TransferFailed
+
+    done: list = []
+    load = LayeredLoad(iter([0, 2, 1]), [_Event() for _ in range(3)], None, done.append)
+    with pytest.raises(TransferFailed, match="out of order"):
+        load.wait_all(_Stream([]))
+    assert len(done) == 1
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ synchronously), and any move the driver refuses part of (logged and counted in `
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -118,33 +118,33 @@ class BatchBlockMover(OneChunk):
         else:
             self._fallback.scatter_many(copies, views)
 
-    def scatter_layers(self, copies: Sequence[ChunkCopy], views: Sequence[torch.Tensor], num_layers: int,
-                       after_layer: Callable[[int], None]) -> None:
-        """A load in layer order: layer 0 of every block, ``after_layer(0)``, then layer 1, … —
-        so that the forward over layer 0 can start while later layers are still copied.
+    def scatter_layers(self, copies: Sequence[ChunkCopy], views: Sequence[torch.Tensor], num_layers: int) -> Iterator[int]:
+        """A load in layer order, one layer per step: each ``next()`` enqueues layer ``l`` of every
+        block on the *current* stream and yields ``l`` — so that the forward over layer 0 can
+        start while later layers are still copied, and the caller can enqueue later layers when
+        it likes (``inflight.LayeredLoad``: a few layers ahead of the forward).
 
         Only for a cross-layer pool (one view whose rows are ``num_layers`` equal parts, layer
         ``l`` the ``l``-th: TensorRT-LLM's ``[block, layer, k|v, …]``); the host rows hold the
         same bytes in the same order, so layer ``l`` of a block is one copy at the same offset on
         both sides. One driver call per layer, every block's part in it. Anything else, or a call
-        the driver refuses, moves whole (torch copies of the same bytes; a layer already copied
-        gets them again) and then calls ``after_layer`` for the layers not yet reported."""
+        the driver refuses, moves whole at that step (torch copies of the same bytes; a layer
+        already copied gets them again), and the remaining steps enqueue nothing."""
         layer = 0
-        stream = self._stream(views, copies)
+        stream = self._stream(views, copies)  # every step enqueues here (``LayeredLoad`` keeps one side stream)
         if stream is not None and len(views) == 1 and views[0].shape[1] % num_layers == 0:
             ((seg, pool, host, _alloc),) = block_addresses(views, copies)
             part = seg // num_layers
             sizes = np.full(len(pool), part, dtype=np.int64)
             try:
-                for layer in range(num_layers):  # after a refusal, ``layer`` is the one not reported
+                for layer in range(num_layers):  # after a refusal, ``layer`` is the one not yielded
                     cuda_batch.memcpy_batch(pool + layer * part, host + layer * part, sizes, stream)
-                    after_layer(layer)
+                    yield layer
                 return
             except RuntimeError as exc:
                 self._refused(exc)
         self._fallback.scatter_many(copies, views)
-        for rest in range(layer, num_layers):
-            after_layer(rest)
+        yield from range(layer, num_layers)
 
     def _refused(self, exc: RuntimeError) -> None:
         """A batch the driver refused: never a lost store or a load that leaves garbage in the

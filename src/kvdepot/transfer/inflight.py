@@ -1,6 +1,7 @@
 """Copies in flight on CUDA side streams, completed in order by polling their events.
 
     run(copy, on_done, stream, store=, on_fail=) -> token | None   run now (CPU) or enqueue (CUDA)
+    start_layered(layers, num_layers, on_done, stream) -> LayeredLoad   a CUDA load, layer by layer
     poll_locked() / poll()        run ``on_done`` of every transfer whose copy has finished
     is_complete(token) / wait_for(token) / wait_all() / close()
 
@@ -14,7 +15,9 @@ what the caller's stream wrote before the call. Issuing a store's copies is host
 per GiB (``tools/transfer_anatomy.py``, H200 host); done by the caller, it kept the engine's step
 loop busy and held back a load issued right after it (the next step's), which started its copies
 only once the store's were all issued. A *load* is issued by the caller: its caller's stream must
-wait for it, and that wait has to be enqueued before ``run`` returns.
+wait for it, and that wait has to be enqueued before ``run`` returns. A *layered* load is issued
+by whoever waits on it, a few layers at a time (``layered.py``); ``wait_for`` / ``wait_all``
+enqueue what is left of any, so that nothing waits for copies nobody will enqueue.
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from kvdepot.transfer.layered import LAYERS_AHEAD, LayeredLoad
 
 logger = logging.getLogger("kvdepot")
 
@@ -67,6 +72,7 @@ class InflightTransfers:
         self._tokens = itertools.count(1)
         self._issues: queue.SimpleQueue[tuple[_Transfer, Callable[[], None], Any, Any] | None] = queue.SimpleQueue()
         self._issuer: threading.Thread | None = None
+        self._layered: set[LayeredLoad] = set()  # layered loads not fully enqueued yet
 
     def attach(self, device: torch.device) -> None:
         """Make the streams for a pool on ``device``. Call with the lock held and nothing in flight."""
@@ -80,14 +86,11 @@ class InflightTransfers:
 
     def run(
         self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any, *, store: bool,
-        on_fail: Callable[[], None] | None = None, caller_waits: bool = True,
+        on_fail: Callable[[], None] | None = None,
     ) -> int | None:
-        """Run ``copy`` now (CPU), enqueue it on a side stream ordered after ``stream`` (a CUDA
-        load), or hand it to the issuer thread with an event of ``stream`` to wait for (a CUDA
-        store; nothing is enqueued on ``stream`` itself).
-
-        A CUDA load makes ``stream`` wait for it, unless ``caller_waits`` is False: then ``copy``
-        records events of its own (a layered load) and the caller waits on those.
+        """Run ``copy`` now (CPU), enqueue it on a side stream ordered after ``stream`` and make
+        ``stream`` wait for it (a CUDA load), or hand it to the issuer thread with an event of
+        ``stream`` to wait for (a CUDA store; nothing is enqueued on ``stream`` itself).
 
         If ``copy`` raises, ``on_fail`` (or ``on_done``) runs so no slot or pin leaks: at once,
         and the error reaches the caller, except for a CUDA store, where it is logged.
@@ -125,9 +128,49 @@ class InflightTransfers:
                 transfer.on_fail()
             raise
         transfer.issued.set()
-        if caller_waits:
-            caller.wait_event(transfer.event)  # the forward pass reads what the load wrote
+        caller.wait_event(transfer.event)  # the forward pass reads what the load wrote
         return transfer.token
+
+    def start_layered(self, layers: Iterator[int], num_layers: int, on_done: Callable[[], None],
+                      stream: Any) -> LayeredLoad:
+        """A CUDA load of ``num_layers`` layers, ordered after ``stream``'s work so far, whose
+        layers are enqueued as the answer is waited on (``layers``: each ``next()`` enqueues the
+        next one on the current stream); the first ``LAYERS_AHEAD`` are enqueued now, so that a
+        failure to enqueue at all reaches the caller. ``stream`` is not made to wait."""
+        assert self.streams is not None
+        caller = stream if stream is not None else torch.cuda.current_stream(self.streams[0].device)
+        side = self.side_stream(False, caller)
+        with self._lock:
+            transfer = _Transfer(next(self._tokens), on_done, on_done)
+            self.inflight.append(transfer)
+        side.wait_stream(caller)
+        events = [torch.cuda.Event() for _ in range(num_layers)]
+
+        def issued(error: BaseException | None) -> None:
+            if error is None:
+                transfer.event = events[-1]  # the last layer's copies end the load (one stream, in order)
+            else:  # unpinned once what was enqueued has run; the waiters hear of it from the load
+                logger.error("kvdepot: a layered load's copies could not all be enqueued: %s", error)
+                try:
+                    transfer.event = side.record_event()
+                except BaseException:  # a broken device: nothing of it will run anyway
+                    transfer.event = None
+            with self._lock:
+                self._layered.discard(load)
+            transfer.issued.set()
+
+        load = LayeredLoad(iter(layers), events, side, issued)
+        with self._lock:
+            self._layered.add(load)
+        load.issue_through(LAYERS_AHEAD)
+        return load
+
+    def _finish_layered(self) -> None:
+        """Enqueue the rest of every layered load: someone is about to wait for the transfers."""
+        with self._lock:
+            pending = list(self._layered)
+        for load in pending:  # outside the lock: issuing takes the load's lock, then ours
+            load.finish()
 
     def side_stream(self, store: bool, caller: Any) -> Any:
         """The stream a copy runs on: never the caller's, or the caller would wait for it."""
@@ -149,6 +192,7 @@ class InflightTransfers:
             return not any(t.token == token for t in self.inflight)
 
     def wait_for(self, token: int) -> None:
+        self._finish_layered()  # transfers complete in order: one may sit behind a layered load
         while True:
             with self._lock:
                 pending = next((t for t in self.inflight if t.token == token), None)
@@ -159,6 +203,7 @@ class InflightTransfers:
                 self.poll_locked()
 
     def wait_all(self) -> None:
+        self._finish_layered()
         while True:
             with self._lock:
                 if not self.inflight:

@@ -47,6 +47,7 @@ from kvdepot.integrations.tensorrt_llm.utils import (
     get_or_create_engine,
     tokens_per_block,
 )
+from kvdepot.transfer.layered import TransferFailed
 
 logger = logging.getLogger("kvdepot")
 
@@ -239,10 +240,19 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Make the forward stream wait for layer ``layer_idx`` of this step's layered loads (whole
-        loads were already waited for in ``start_load_kv``), and note that the hooks fire."""
+        loads were already waited for in ``start_load_kv``), and note that the hooks fire. Layered
+        loads enqueue their next layers here. One whose copies could not be enqueued raises
+        ``TransferFailed`` (after the others are waited for): its blocks hold no valid KV, and a
+        forward that went on would read them."""
         self._hook_layers = self._hook_layers + 1 if layer_idx == self._hook_layers else int(layer_idx == 0)
+        failed: TransferFailed | None = None
         for load in self._layered:
-            load.wait_layer(layer_idx, stream)
+            try:
+                load.wait_layer(layer_idx, stream)
+            except TransferFailed as exc:
+                failed = failed or exc
+        if failed is not None:
+            raise failed
 
     def _settle_layered(self, stream: Any) -> None:
         """End of a forward: every layered load must have been waited for layer by layer. One that
@@ -251,7 +261,10 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         forward read stale KV, so it is logged as an error and layered loads stop for good."""
         for load in self._layered:
             if not load.fully_waited:
-                load.wait_all(stream)
+                try:
+                    load.wait_all(stream)
+                except TransferFailed:  # logged where it failed; a forward that waited heard of it
+                    continue
                 if not self._hooks_failed:
                     logger.error("kvdepot: a layered load's layers were not all waited for by the forward "
                                  "(wait_for_layer_load calls missing); loads are whole from now on")

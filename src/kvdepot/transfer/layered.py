@@ -1,0 +1,107 @@
+"""A load enqueued layer by layer, a few layers ahead of the forward that reads it.
+
+``CacheEngine.retrieve_by_layer`` answers a ``LayeredLoad``; TensorRT-LLM's worker calls
+``wait_layer(l, stream)`` from ``wait_for_layer_load`` before layer ``l``'s attention. Layer ``l``
+of every loaded block is in the pool once ``events[l]`` has passed.
+
+Why lazily: enqueueing a layer's copies is one driver call with one copy per block, ~0.5 ms of
+host time for 1024 blocks (H200 host, run Q). Enqueued all at once in ``start_load_kv``, a 32K
+prompt of an 8B model spent ~16 ms there before the forward could even be issued (run Q: the full
+hit by layer sat 18 ms above the same forward with the KV already on the device). Here the first
+``LAYERS_AHEAD`` layers are enqueued at once, and each ``wait_layer(l)`` enqueues through layer
+``l + LAYERS_AHEAD``: the driver calls are spread over the forward's own issue, and the copy
+engine still has the next layers queued while the forward runs.
+
+Never silently wrong: a stream is made to wait for layer ``l`` only after ``events[l]`` has been
+recorded (waiting for an event never recorded passes at once), and a failed enqueue raises
+``TransferFailed`` from every later wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from kvdepot.errors import KVDepotError
+
+LAYERS_AHEAD = 4
+
+
+class TransferFailed(KVDepotError):
+    """A load's copies could not all be enqueued: the blocks it was to fill hold no valid KV."""
+
+
+class LayeredLoad:
+    """Layer ``l`` readable once ``events[l]`` has passed; copies enqueued lazily on ``side``.
+
+    The caller's stream was *not* made to wait for the load: it must wait for each layer before
+    that layer's attention reads it (``wait_layer``) and for all of it before anything else uses
+    the blocks (``wait_all``). Layers are copied in order on one stream, so the last layer's
+    event passing means the whole load is done."""
+
+    def __init__(self, layers: Iterator[int], events: list[Any], side: Any,
+                 on_issued: Callable[[BaseException | None], None]) -> None:
+        """``layers``: each ``next()`` enqueues the next layer on the current stream (the mover's
+        ``scatter_layers``). ``on_issued(None)`` once every layer is enqueued, ``on_issued(error)``
+        if one could not be."""
+        self.events = events
+        self.waited = 0  # layers 0..waited-1 have been waited for by some stream
+        self.issued = 0  # layers 0..issued-1 are enqueued and their events recorded
+        self._layers, self._side, self._on_issued = layers, side, on_issued
+        self._failed: BaseException | None = None
+        self._lock = threading.Lock()  # the forward's thread and a ``wait_all`` elsewhere may both issue
+
+    def issue_through(self, count: int) -> None:
+        """Enqueue every layer below ``count`` not enqueued yet."""
+        with self._lock:
+            if self._failed is not None:
+                raise TransferFailed(f"kvdepot: a layered load failed after {self.issued} layers") from self._failed
+            count = min(count, len(self.events))
+            if self.issued >= count:
+                return
+            try:
+                with torch.cuda.stream(self._side):
+                    while self.issued < count:
+                        if next(self._layers) != self.issued:
+                            raise RuntimeError(f"a mover enqueued layers out of order (expected {self.issued})")
+                        self.events[self.issued].record()
+                        self.issued += 1
+            except BaseException as exc:
+                self._failed = exc
+                self._layers = iter(())
+                self._on_issued(exc)
+                raise TransferFailed(f"kvdepot: a layered load failed after {self.issued} layers: {exc}") from exc
+            if self.issued == len(self.events):
+                self._on_issued(None)
+
+    def wait_layer(self, layer: int, stream: Any) -> None:
+        """Make ``stream`` wait until layer ``layer`` of every loaded block is in the pool."""
+        if not 0 <= layer < len(self.events):
+            return  # a layer outside this pool (e.g. a draft model's): nothing of it is loaded here
+        self.issue_through(layer + 1 + LAYERS_AHEAD)
+        stream.wait_event(self.events[layer])
+        if layer == self.waited:
+            self.waited += 1
+
+    def wait_all(self, stream: Any) -> None:
+        self.issue_through(len(self.events))
+        stream.wait_event(self.events[-1])
+        self.waited = len(self.events)
+
+    def finish(self) -> None:
+        """Enqueue every remaining layer (nothing waits): shutdown, or a forward that stopped early."""
+        with contextlib.suppress(TransferFailed):  # handed to ``on_issued``; a waiter hears of it
+            self.issue_through(len(self.events))
+
+    @property
+    def fully_issued(self) -> bool:
+        return self.issued == len(self.events) or self._failed is not None
+
+    @property
+    def fully_waited(self) -> bool:
+        """Every layer was waited for, in order: nothing read a layer before its copies ended."""
+        return self.waited == len(self.events)
