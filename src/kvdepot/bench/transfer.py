@@ -76,7 +76,7 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
 
     # Keys and block ids are drawn before the clock starts: hashing is the scheduler's cost
     # (``bench lookup``), not the transfer's.
-    batches = [(fresh_keys(), ids()) for _ in range(4 + 4 * args.reps + 9)]
+    batches = [(fresh_keys(), ids()) for _ in range(4 + 6 * args.reps + 16)]
 
     def store(count: int = 1) -> None:
         pending = [(engine.store(None, block_ids, keys=keys), keys) for keys, block_ids in batches[-count:]]
@@ -99,24 +99,35 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
     held = fresh_keys()
     engine.store(None, ids(), keys=held).wait()
 
+    def load_held(block_ids: list[int]) -> None:
+        if engine.retrieve(None, block_ids, keys=held) != moved * args.tokens_per_block:
+            raise RuntimeError("benchmark retrieve found its chunks evicted")  # would time as infinitely fast
+
     def retrieve() -> None:
         # A lookup precedes every load, as in an engine: it is also what keeps ``held`` recently used.
         engine.lookup(keys=held)
-        if engine.retrieve(None, batches[-1][1], keys=held) != moved * args.tokens_per_block:
-            raise RuntimeError("benchmark retrieve found its chunks evicted")  # would time as infinitely fast
+        load_held(batches[-1][1])
 
     load_s, h2d_s, load_ratio = paired_seconds(retrieve, copies.h2d, device, args.reps)
 
-    def both() -> None:  # a store and a load in flight together, on the engine's two streams
-        keys, block_ids = batches.pop()
+    def both(pairs: int = 1) -> None:
+        """``pairs`` stores, then as many loads, in flight together on the engine's two streams.
+        One pair is the latency of a store and a load started together; two are the throughput of
+        a busy cache, where one operation's host-side start overlaps the copies of the one before.
+        (Stores first: a load makes the caller's stream wait, and a later store waits for that.)"""
+        taken = batches[-pairs:]
+        del batches[-pairs:]
         engine.lookup(keys=held)
-        handle = engine.store(None, block_ids, keys=keys)
-        if engine.retrieve(None, batches[-1][1], keys=held) != moved * args.tokens_per_block:
-            raise RuntimeError("benchmark retrieve found its chunks evicted")
-        handle.wait()
+        handles = [engine.store(None, block_ids, keys=keys) for keys, block_ids in taken]
+        for _keys, block_ids in batches[-pairs:]:
+            load_held(block_ids)
+        for handle in handles:
+            handle.wait()
 
     nan = (float("nan"),) * 3
     both_s, bidir_s, both_ratio = paired_seconds(both, copies.both, device, args.reps) if copies.both else nan
+    both2_s, bidir2_s, both2_ratio = (paired_seconds(lambda: both(2), lambda: (copies.both(), copies.both()),
+                                                     device, args.reps) if copies.both else nan)
     timeline = {}
     if getattr(args, "timeline", False) and device.type == "cuda":
         timeline = {"retrieve": gpu_timeline(retrieve), "store": gpu_timeline(store)}  # a store evicts
@@ -131,6 +142,8 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
         {**common, "op": "retrieve", "GB/s": nbytes / load_s / 1e9, "memcpy GB/s": nbytes / h2d_s / 1e9, "ratio": load_ratio},
         {**common, "op": "both at once", "GB/s": 2 * nbytes / both_s / 1e9, "memcpy GB/s": 2 * nbytes / bidir_s / 1e9,
          "ratio": both_ratio},
+        {**common, "op": "both, 2 each in flight", "GB/s": 4 * nbytes / both2_s / 1e9,
+         "memcpy GB/s": 4 * nbytes / bidir2_s / 1e9, "ratio": both2_ratio},
         # ratio here: matmul throughput beside a store over alone (1.0 = the store costs compute nothing)
         {**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share},
     ]
