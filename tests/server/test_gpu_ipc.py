@@ -1,5 +1,6 @@
 """CUDA IPC: a pool from a raw cudaMalloc (what TensorRT-LLM's pool is), registered by IPC handle,
-stored and loaded by the server, bit-exact across processes, ordered by interprocess events."""
+stored and loaded by the server — whole, and layer by layer with a layer event each — bit-exact
+across processes, ordered by interprocess events."""
 
 from __future__ import annotations
 
@@ -51,11 +52,23 @@ with torch.cuda.stream(stream):
     assert remote.lookup(keys=keys, lease=1) == 8 * B
     torch.cuda._sleep(200_000_000)                    # the load must wait for earlier work ...
     pool[dst] = 1.0                                   # ... such as this write, or it would be lost
-    end = remote.retrieve(None, dst, keys=keys, lease=1, stream=stream)
+    seen = []
+    if role == "layered":                             # copied layer by layer, a forward's waits per layer
+        handle = remote.retrieve_async(None, dst, keys=keys, lease=1, stream=stream, by_layer=True)
+        end = handle.result()
+        assert handle.layered is not None and handle.layered.num_layers == SHAPE[1], handle.layered
+        for layer in range(SHAPE[1]):
+            handle.layered.wait_layer(layer, stream)
+            seen.append(pool[dst, layer].clone())     # what layer ``layer``'s attention would read
+        assert handle.layered.fully_waited
+    else:
+        end = remote.retrieve(None, dst, keys=keys, lease=1, stream=stream)
     loaded = pool[dst].clone()                        # on the stream: ordered after the load
 stream.synchronize()
 assert end == 8 * B, end
 assert torch.equal(loaded, expected[src]), "loaded blocks differ"
+for layer, snapshot in enumerate(seen):
+    assert torch.equal(snapshot, expected[src, layer]), f"layer {layer} read before its copies ended"
 assert torch.count_nonzero(pool[48:]) == 0, "a block outside the request was written"
 client.close()
 remote.close()
@@ -75,5 +88,7 @@ def test_raw_cudamalloc_pool_by_cuda_ipc(workdir):
         assert stored.returncode == 0 and "ok store" in stored.stdout, stored.stderr
         hit = _owner(url, "hit", 3)  # another process, another allocation: loads what the first stored
         assert hit.returncode == 0 and "ok hit" in hit.stdout, hit.stderr
+        layered = _owner(url, "layered", 3)  # the same, by layer: the server records a layer event per layer
+        assert layered.returncode == 0 and "ok layered" in layered.stdout, layered.stderr
     finally:
         assert stop_server(proc) == 0, proc.log.read_text()  # type: ignore[attr-defined]

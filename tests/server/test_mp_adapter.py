@@ -110,6 +110,49 @@ def test_saved_prompt_is_loaded_bit_exact_synchronously(connector):
     assert worker.get_finished([], []) == ([], [])
 
 
+def test_hits_are_asked_by_layer_once_the_hooks_were_seen(connector, monkeypatch, caplog):
+    """As in-process: the first forward shows the worker that the layer hooks fire; from then on
+    a hit is asked of the server by layer, and where the server answers so, the forward waits for
+    each layer in turn (here a bytes pool, loaded whole, stands in for a CUDA pool's answer)."""
+    from kvdepot.transfer.layered import LayerWaits
+
+    scheduler, worker, pool, _ = connector
+    layers, asked, waited = POOL_SHAPE[1], [], []
+
+    class RecordedWaits(LayerWaits):
+        def _wait(self, layer, stream):
+            waited.append(layer)
+
+    inner = RemoteEngine.retrieve_async
+
+    def retrieve_async(self, *args, by_layer=False, **kwargs):
+        asked.append(by_layer)
+        handle = inner(self, *args, **kwargs)
+        if by_layer:
+            handle.layered = RecordedWaits(layers)
+        return handle
+
+    monkeypatch.setattr(RemoteEngine, "retrieve_async", retrieve_async)
+
+    def forward(rid, blocks, computed):
+        meta = scheduler.build_connector_meta(SchedulerOutput([RequestData(rid, PROMPT, blocks, 0, computed)], []))
+        worker.bind_connector_meta(meta)
+        worker.start_load_kv(None)
+        for layer in range(layers):
+            worker.wait_for_layer_load(layer, None)
+        worker.wait_for_save(None)
+
+    first, second, third = list(range(13)), list(range(13, 26)), list(range(19, 32))
+    save_request(scheduler, worker, 1, first)  # a forward without layer hooks: not seen yet
+    for rid, blocks in ((2, second), (3, third)):
+        assert scheduler.get_num_new_matched_tokens(Request(rid, PROMPT), 0) == (96, False)
+        scheduler.update_state_after_alloc(Request(rid, PROMPT), blocks)
+        forward(rid, blocks, len(PROMPT) - 96)
+        assert torch.equal(pool[blocks[:12]], pool[first[:12]])
+    assert asked == [False, True]  # whole before the hooks were seen, by layer after
+    assert waited == list(range(layers)) and "not all waited" not in caplog.text
+
+
 def test_device_prefix_and_whole_prompt_hits_stay_legal(connector):
     scheduler, worker, _, _ = connector
     save_request(scheduler, worker, 1, list(range(13)))

@@ -18,6 +18,8 @@ SAMPLES: list[msgspec.Struct] = [
     p.HelloReply(1, 7, 123, 99),
     p.Register("llama", 1, 2, 32, 100, 4, 2, 4096, "bfloat16", 65536,
                p.CudaIpcPool(b"h" * 64, 128, 1 << 20, "GPU-1", b"e" * 64, b"f" * 64), "salt"),
+    p.Register("llama", 0, 1, 32, 100, 4, 2, 4096, "bfloat16", 65536,
+               p.CudaIpcPool(b"h" * 64, 0, 1 << 20, "GPU-1", b"e" * 64, b"f" * 64, (b"1" * 64, b"2" * 64))),
     p.Register("llama", 0, 1, 32, 100, 4, 2, 4096, "float16", 65536, p.ShmPool("/dev/shm/x", 8)),
     p.Register("llama", 0, 1, 32, 100, 4, 2, 4096, "float8_e4m3fn", 32768, p.BytesPool()),
     p.RegisterReply(256, "blake3", 1000, 0, b"d" * 16, "llama"),
@@ -29,7 +31,9 @@ SAMPLES: list[msgspec.Struct] = [
     p.StoreReply(2),
     p.Retrieve(KEYS, [1, 2, 3, 4], 1, 2, 9, 5, 77, True),
     p.Retrieve(KEYS, [1, 2]),
+    p.Retrieve(KEYS, [1, 2], 0, None, 0, 3, 0, True, True),
     p.RetrieveReply(64, 2),
+    p.RetrieveReply(64, 2, True),
     p.Release(5),
     p.Empty(),
     p.EndSession(),
@@ -111,3 +115,11 @@ def test_hello_opens_a_session():
     assert hello.session_id > 0 and hello.server_id == service.server_id
     pong = service.handle(b"peer", w.request_frames(p.Op.PING, 2, p.Ping()))
     assert w.decode(pong[1], p.Pong).server_id == service.server_id
+
+
+def test_a_retrieve_from_before_loads_by_layer_still_decodes():
+    """Fields added since (``by_layer``) trail with defaults: an older peer's message decodes."""
+    old = msgspec.msgpack.encode([KEYS, [1, 2], 0, None, 0, 3, 0, True])
+    assert w.decode(old, p.Retrieve).by_layer is False
+    assert w.decode(msgspec.msgpack.encode([64, 2]), p.RetrieveReply).by_layer is False
+

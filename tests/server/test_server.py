@@ -77,6 +77,29 @@ def test_store_then_retrieve_is_bit_exact(server_url, client, workdir, mode):
     engine.close()
 
 
+def test_a_load_asked_by_layer_of_a_pool_without_layer_events_is_whole(server_url, client, workdir):
+    """The server copies by layer only where the pool registered an event per layer (CUDA IPC);
+    asked anyway, it loads whole, says so, and the client waits for the whole load as usual."""
+    pool = make_pool("shm", workdir, seed=5)
+    engine = remote(client, pool, "by-layer-shm", "shm")
+    keys = engine.chunk_keys(prompt(5))
+    engine.store(None, list(range(BLOCKS)), keys=keys).wait()
+    expected = pool[:BLOCKS].clone()
+    dst = list(range(16, 16 + BLOCKS))
+    engine.exported._layer_events = [object()]  # pretend: the client believes it can ask
+    assert engine.exported.layered
+    assert engine.lookup(keys=keys, lease=3) == 5 * CHUNK
+    sent, submit = [], engine.client.submit
+    engine.client.submit = lambda msg, **kw: sent.append(msg) or submit(msg, **kw)
+    handle = engine.retrieve_async(None, dst, keys=keys, lease=3, by_layer=True)
+    assert handle.result() == 5 * CHUNK and handle.layered is None
+    assert [m.by_layer for m in sent] == [True]  # asked, and answered whole
+    engine.client.submit = submit
+    assert torch.equal(pool[dst], expected)
+    engine.exported._layer_events = []
+    engine.close()
+
+
 def test_lookup_starts_a_prefetch_and_status_is_queryable(server_url, client, workdir):
     engine = remote(client, make_pool("shm", workdir, seed=2), "prefetch", "shm")
     keys = engine.chunk_keys(prompt(2))

@@ -13,7 +13,7 @@ Per prompt length L (a Llama-3.1-8B-shaped model with random bf16 weights by def
 in each of the ``--modes``: ``in-process`` (the default config: a hit is copied layer by layer
 where it can be, each layer's forward waiting only for its own KV), ``whole`` (in-process with
 ``load_by_layer: off``: the forward waits for the whole hit), and ``mp``, through a ``kvdepot
-server`` subprocess that maps the engine's pool by CUDA IPC and does the copies (whole blocks),
+server`` subprocess that maps the engine's pool by CUDA IPC and does the copies (by layer too),
 
 and the target the issue sets, from figures measured in this run:
 ``bound = 1.2 x KV bytes / memcpy GB/s + device-hit TTFT``. A 0%-reuse run (distinct prompts)
@@ -222,10 +222,14 @@ class _ConnectorClock:
 
 
 def _layered_loads(server_url: str | None) -> int:
-    """The in-process engine's count of loads issued by layer (the server loads whole: 0)."""
+    """Loads issued by layer so far: the in-process engine's count, or the server shards'."""
+    from kvdepot.integrations.tensorrt_llm.mp_adapter import current_remote
     from kvdepot.integrations.tensorrt_llm.utils import current_engine
 
-    return 0 if server_url else current_engine().stats().layered_loads
+    if server_url is None:
+        return current_engine().stats().layered_loads
+    stats = current_remote().stats()
+    return int(sum(shard.figures.get("layered_loads", 0) for shard in stats.shards)) if stats is not None else 0
 
 
 def _misses(args: argparse.Namespace) -> list[dict]:

@@ -10,7 +10,10 @@ sharing cannot export it. We export the *allocation base* (``cuMemGetAddressRang
 Two interprocess events order the copies (created ``DisableTiming | Interprocess``):
 ``to_server`` is recorded by the client on its forward stream before each STORE/RETRIEVE and
 waited on by the server's stream before copying; ``to_client`` is recorded by the server after
-a load and waited on by the client's forward stream once the reply is in. cuda-python and cupy
+a load and waited on by the client's forward stream once the reply is in. A cross-layer pool also
+exports one event per layer: for a RETRIEVE by layer the server records layer ``l``'s event once
+layer ``l`` of every block is copied, all of them before it replies, and the client's forward
+waits on each right before that layer's attention (``ServerLayeredLoad``). cuda-python and cupy
 are imported lazily, so CPU-only installs never need them.
 
 CPU: a pool inside a shared file (``torch.from_file(path, shared=True)``, e.g. /dev/shm) is
@@ -23,16 +26,19 @@ import logging
 import os
 import stat
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from kvdepot.errors import KVDepotError
 from kvdepot.server.protocol import BytesPool, CudaIpcPool, PoolDesc, ShmPool
+from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
 
 _IPC_HANDLE_BYTES = 64
+MAX_LAYER_EVENTS = 1024  # a descriptor asking the server to open more is refused
 
 
 class IpcError(KVDepotError):
@@ -87,9 +93,20 @@ def _stream_ptr(stream: Any, device: torch.device) -> int:
 class ExportedPool:
     """The client's half of a shared pool: the REGISTER descriptor and the ordering events."""
 
-    def __init__(self, pool: torch.Tensor, desc: PoolDesc, events: tuple[Any, Any] | None = None) -> None:
+    def __init__(self, pool: torch.Tensor, desc: PoolDesc, events: tuple[Any, Any] | None = None,
+                 layer_events: Sequence[Any] = ()) -> None:
         self.pool, self.desc, self._events = pool, desc, events
+        self._layer_events = list(layer_events)
         self.kind = {CudaIpcPool: "cuda", ShmPool: "shm", BytesPool: "bytes"}[type(desc)]
+
+    @property
+    def layered(self) -> bool:
+        """Whether the server can signal a load layer by layer (a CUDA pool with layer events)."""
+        return bool(self._layer_events)
+
+    def layered_load(self) -> ServerLayeredLoad:
+        """The waits of a load the server answered ``by_layer``: its layer events are recorded."""
+        return ServerLayeredLoad(self._layer_events, self.pool.device)
 
     def before_copy(self, stream: Any) -> bool:
         """Record ``to_server`` on the caller's stream: the server's copy starts after it."""
@@ -109,20 +126,35 @@ class ExportedPool:
     def close(self) -> None:
         if self._events is not None:
             runtime, _ = _cuda()
-            for event in self._events:
+            for event in (*self._events, *self._layer_events):
                 runtime.cudaEventDestroy(event)
-            self._events = None
+            self._events, self._layer_events = None, []
 
 
-def export_pool(pool: torch.Tensor, mode: str = "auto") -> ExportedPool:
-    """Describe how the server can reach ``pool``; "auto" picks IPC/shared file, else bytes."""
+class ServerLayeredLoad(LayerWaits):
+    """A load the server copied layer by layer: the client's stream waits on layer ``l``'s
+    interprocess event, which the server recorded after layer ``l``'s copies and before its reply
+    (so a wait never meets an event not yet recorded for this load)."""
+
+    def __init__(self, events: Sequence[Any], device: torch.device) -> None:
+        super().__init__(len(events))
+        self._events, self._device = events, device
+
+    def _wait(self, layer: int, stream: Any) -> None:
+        runtime, _ = _cuda()
+        _check(runtime.cudaStreamWaitEvent(_stream_ptr(stream, self._device), self._events[layer], 0), "cudaStreamWaitEvent")
+
+
+def export_pool(pool: torch.Tensor, mode: str = "auto", layers: int = 0) -> ExportedPool:
+    """Describe how the server can reach ``pool``; "auto" picks IPC/shared file, else bytes.
+    ``layers``: a CUDA pool gets that many layer events (a cross-layer pool's layer count; 0: none)."""
     if mode not in ("auto", "ipc", "shm", "bytes"):
         raise IpcError(f"pool sharing mode {mode!r} is not one of auto, ipc, shm, bytes")
     if mode == "bytes":
         return ExportedPool(pool, BytesPool())
     try:
         if pool.is_cuda and mode in ("auto", "ipc"):
-            return _export_cuda(pool)
+            return _export_cuda(pool, layers)
         if not pool.is_cuda and mode in ("auto", "shm"):
             return _export_shm(pool)
         raise IpcError(f"mode {mode!r} does not fit a {pool.device.type} pool")
@@ -134,7 +166,7 @@ def export_pool(pool: torch.Tensor, mode: str = "auto") -> ExportedPool:
         return ExportedPool(pool, BytesPool())
 
 
-def _export_cuda(pool: torch.Tensor) -> ExportedPool:
+def _export_cuda(pool: torch.Tensor, layers: int = 0) -> ExportedPool:
     runtime, driver = _cuda()
     index = pool.device.index if pool.device.index is not None else torch.cuda.current_device()
     with torch.cuda.device(index):
@@ -143,11 +175,13 @@ def _export_cuda(pool: torch.Tensor) -> ExportedPool:
         handle = _check(runtime.cudaIpcGetMemHandle(int(base)), "cudaIpcGetMemHandle")
         to_server, to_server_handle = _interprocess_event(runtime)
         to_client, to_client_handle = _interprocess_event(runtime)
+        per_layer = [_interprocess_event(runtime) for _ in range(min(layers, MAX_LAYER_EVENTS))]
     desc = CudaIpcPool(
         mem_handle=bytes(handle.reserved), offset=pool.data_ptr() - int(base), alloc_bytes=int(size),
         device_uuid=device_uuid(index), to_server_event=to_server_handle, to_client_event=to_client_handle,
+        layer_events=tuple(blob for _event, blob in per_layer),
     )
-    return ExportedPool(pool, desc, (to_server, to_client))
+    return ExportedPool(pool, desc, (to_server, to_client), [event for event, _blob in per_layer])
 
 
 def _export_shm(pool: torch.Tensor) -> ExportedPool:
@@ -184,8 +218,9 @@ class MappedPool:
     """The server's view of a worker's pool; ``tensor`` is None for "bytes" pools."""
 
     def __init__(self, kind: str, tensor: torch.Tensor | None = None, closer: Any = None,
-                 events: tuple[Any, Any] | None = None) -> None:
+                 events: tuple[Any, Any] | None = None, layer_events: Sequence[Any] = ()) -> None:
         self.kind, self.tensor, self._closer, self._events = kind, tensor, closer, events
+        self.layer_events = list(layer_events)  # the client's, one per layer (empty: no loads by layer)
         self.stream = torch.cuda.Stream(tensor.device) if tensor is not None and tensor.is_cuda else None
 
     def wait_client(self, synced: bool) -> None:
@@ -199,6 +234,14 @@ class MappedPool:
         if self._events is not None and self.stream is not None:
             runtime, _ = _cuda()
             _check(runtime.cudaEventRecord(self._events[1], int(self.stream.cuda_stream)), "cudaEventRecord")
+
+    def signal_layers(self, load: LayerWaits) -> None:
+        """Record layer ``l``'s event once ``load``'s layer ``l`` is in, for every layer: this
+        stream waits for each layer in turn (which also enqueues a lazy load to the end)."""
+        runtime, _ = _cuda()
+        for layer, event in enumerate(self.layer_events):
+            load.wait_layer(layer, self.stream)
+            _check(runtime.cudaEventRecord(event, int(self.stream.cuda_stream)), "cudaEventRecord")  # type: ignore[union-attr]
 
     def close(self) -> None:
         """Unmap. The caller has made sure no copy into or out of the pool is still running."""
@@ -253,7 +296,9 @@ def _map_cuda(desc: CudaIpcPool, nbytes: int, shape: tuple[int, ...], dtype: tor
         base = int(_check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
         events = []
         try:
-            for blob in (desc.to_server_event, desc.to_client_event):
+            if len(desc.layer_events) > MAX_LAYER_EVENTS:
+                raise IpcError(f"{len(desc.layer_events)} layer events (at most {MAX_LAYER_EVENTS})")
+            for blob in (desc.to_server_event, desc.to_client_event, *desc.layer_events):
                 event_handle = runtime.cudaIpcEventHandle_t()
                 event_handle.reserved = blob
                 events.append(_check(runtime.cudaIpcOpenEventHandle(event_handle), "cudaIpcOpenEventHandle"))
@@ -271,7 +316,7 @@ def _map_cuda(desc: CudaIpcPool, nbytes: int, shape: tuple[int, ...], dtype: tor
             _check(runtime.cudaIpcCloseMemHandle(base), "cudaIpcCloseMemHandle")
 
     tensor = flat[desc.offset : desc.offset + nbytes].view(dtype).view(shape)
-    return MappedPool("cuda", tensor, closer, (events[0], events[1]))
+    return MappedPool("cuda", tensor, closer, (events[0], events[1]), events[2:])
 
 
 def _wrap_device_memory(ptr: int, nbytes: int, index: int) -> torch.Tensor:

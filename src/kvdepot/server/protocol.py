@@ -124,6 +124,7 @@ class CudaIpcPool(msgspec.Struct, frozen=True, tag="cuda"):
     device_uuid: str  # the GPU, independent of CUDA_VISIBLE_DEVICES numbering
     to_server_event: bytes = b""  # cudaIpcEventHandle_t the client records before each copy
     to_client_event: bytes = b""  # ... the server records after each load
+    layer_events: tuple[bytes, ...] = ()  # ... one per layer, recorded after that layer of a load by layer
 
 
 class ShmPool(msgspec.Struct, frozen=True, tag="shm"):
@@ -202,11 +203,13 @@ class Retrieve(msgspec.Struct, **_HOT):
     request_id: int | None = None
     deadline_ns: int = 0
     synced: bool = False
+    by_layer: bool = False  # copy layer by layer and record the pool's layer events (CUDA IPC pools)
 
 
 class RetrieveReply(msgspec.Struct, **_HOT):
     end_tokens: int  # tokens from 0 valid in the pool afterwards
     loaded_blocks: int
+    by_layer: bool = False  # the layer events were recorded (not to_client_event): wait on them per layer
 
 
 class Release(msgspec.Struct, **_HOT):

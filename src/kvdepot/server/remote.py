@@ -54,6 +54,7 @@ from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
 from kvdepot.server.client import DepotClient, ServerError, ServerUnavailable
 from kvdepot.server.ipc import ExportedPool, export_pool, frame_tensor
+from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
 
@@ -66,6 +67,7 @@ class _Handle:
     def __init__(self, future: Future | None, finish: Callable[[Any], int] | None = None, fallback: int = 0) -> None:
         self._future, self._finish, self._value = future, finish, fallback
         self._settled = future is None
+        self.layered: LayerWaits | None = None  # a load the server answered by layer: wait on it per layer
 
     def done(self) -> bool:
         if self._settled:
@@ -116,7 +118,7 @@ class RemoteEngine:
         if pool is not None:
             self._base = PoolLayout.from_pool(pool, tokens_per_block, tokens_per_block)
             self._views = [pool.view(pool.shape[0], -1).view(torch.uint8)]
-            self.exported = export_pool(pool, mode)
+            self.exported = export_pool(pool, mode, layers=self._base.num_layers)
         elif layout is not None:
             self._base = layout
             self._views = list(views or [])
@@ -250,27 +252,36 @@ class RemoteEngine:
 
     def retrieve_async(self, tokens: Sequence[int] | None, block_ids: Sequence[int], *, keys: Sequence[ChunkKey],
                        skip_blocks: int = 0, num_blocks: int | None = None, lease: Hashable = None,
-                       stream: Any = None) -> _Handle:
+                       stream: Any = None, by_layer: bool = False) -> _Handle:
+        """``by_layer``: ask the server to copy layer by layer (CUDA IPC pools with layer events);
+        where it did, ``stream`` is *not* made to wait and the handle's ``layered`` must be waited
+        on layer by layer, else ``stream`` waits for the whole load as usual."""
         fallback = skip_blocks * self.tokens_per_block
         if not self.ready:
             return _Handle(None, fallback=fallback)
         session, rid = lease if isinstance(lease, tuple) else (self.client.session_id, lease)
         ids = list(block_ids)
+        by_layer = by_layer and self.exported.layered
         msg = p.Retrieve(w.join_keys(keys), ids, skip_blocks, num_blocks, session if rid is not None else 0,
-                         None if rid is None else int(rid), self._deadline(), self.exported.before_copy(stream))
+                         None if rid is None else int(rid), self._deadline(), self.exported.before_copy(stream), by_layer)
         bulk = len(ids) * self._base.bytes_per_block if self.exported.kind == "bytes" else 0
-        future = self.client.submit(msg, timeout=self._bulk_timeout(bulk))
+        handle = _Handle(self.client.submit(msg, timeout=self._bulk_timeout(bulk)), fallback=fallback)
 
         def finish(result: Any) -> int:
             reply, payloads = result
             if self.exported.kind == "bytes":
                 if reply.loaded_blocks:
                     self._scatter(ids[skip_blocks : skip_blocks + reply.loaded_blocks], payloads[0], stream)
+            elif reply.by_layer:
+                if not by_layer:  # its events would say nothing about this load
+                    raise ValueError("the server answered by layer a load not asked for by layer")
+                handle.layered = self.exported.layered_load()
             else:
                 self.exported.after_load(stream)
             return reply.end_tokens
 
-        return _Handle(future, finish, fallback)
+        handle._finish = finish
+        return handle
 
     def _bulk_timeout(self, nbytes: int) -> float:
         return self.client.timeout_s + nbytes / 1e9  # bytes-mode payloads: allow ~1 GB/s on top

@@ -35,6 +35,7 @@ from kvdepot.server.ipc import IpcError, device_by_uuid, frame_tensor, open_pool
 from kvdepot.server.protocol import ErrorCode, ProtocolError
 from kvdepot.server.session import Registration, Session
 from kvdepot.server.shard import Group
+from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
 
@@ -275,11 +276,22 @@ class DepotService:
                 loaded = max(0, end // B - msg.skip_blocks)
                 rows = pool[msg.skip_blocks : msg.skip_blocks + loaded].contiguous()
                 return p.RetrieveReply(end, loaded), [memoryview(rows.view(torch.uint8).reshape(-1).numpy())]
+            layered: list[bool] = []
+
+            def signal(load: LayerWaits | None) -> None:  # what the client's stream will wait on
+                if load is None:
+                    reg.pool.signal_client()
+                else:
+                    reg.pool.signal_layers(load)
+                    layered.append(True)
+
+            by_layer = msg.by_layer and len(reg.pool.layer_events) == reg.layout.num_layers
             with _device(reg.pool.tensor):
                 reg.pool.wait_client(msg.synced)
                 end = reg.shard.retrieve(reg.pool.tensor, keys, msg.block_ids, msg.skip_blocks, msg.num_blocks, lease,
-                                         stream=reg.pool.stream, after=reg.pool.signal_client, deadline_ns=msg.deadline_ns)
-            return p.RetrieveReply(end, max(0, end // B - msg.skip_blocks)), []
+                                         stream=reg.pool.stream, after=signal, by_layer=by_layer,
+                                         deadline_ns=msg.deadline_ns)
+            return p.RetrieveReply(end, max(0, end // B - msg.skip_blocks), bool(layered)), []
         finally:
             session.end_op()
 

@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -31,6 +31,7 @@ from kvdepot.engine import CacheEngine, StoreHandle
 from kvdepot.keys import ChunkHasher, ChunkKey
 from kvdepot.layout import PoolLayout
 from kvdepot.server.protocol import ErrorCode, ProtocolError, Register, mp_namespace
+from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
 
@@ -94,18 +95,24 @@ class Shard:
 
     def retrieve(
         self, pool: torch.Tensor, keys: Sequence[ChunkKey], block_ids: Sequence[int], skip_blocks: int,
-        num_blocks: int | None, lease: Hashable | None, stream: object = None, after: object = None,
-        *, transient: bool = False, deadline_ns: int = 0,
+        num_blocks: int | None, lease: Hashable | None, stream: object = None,
+        after: Callable[[LayerWaits | None], None] | None = None,
+        *, by_layer: bool = False, transient: bool = False, deadline_ns: int = 0,
     ) -> int:
-        """Load; ``after()`` runs under the lock once the copy is enqueued (record an event)."""
+        """Load; ``after(load)`` runs under the lock once the copy is enqueued (record events):
+        ``load`` is the layered load where ``by_layer`` asked for one and the engine made one
+        (``stream`` was then not made to wait), else None."""
         with self.lock:
             self._check_deadline(deadline_ns)
             self._attach(pool)
-            end = self.engine.retrieve(
-                None, block_ids, keys=keys, skip_blocks=skip_blocks, num_blocks=num_blocks, lease=lease, stream=stream
-            )
-            if callable(after):
-                after()
+            args = dict(keys=keys, skip_blocks=skip_blocks, num_blocks=num_blocks, lease=lease, stream=stream)
+            load = None
+            if by_layer and self.engine.config.load_by_layer == "auto":
+                end, load = self.engine.retrieve_by_layer(None, block_ids, **args)
+            else:
+                end = self.engine.retrieve(None, block_ids, **args)
+            if after is not None:
+                after(load)
             if transient:
                 self._detach_locked()
             return end

@@ -35,21 +35,50 @@ class TransferFailed(KVDepotError):
     """A load's copies could not all be enqueued: the blocks it was to fill hold no valid KV."""
 
 
-class LayeredLoad:
-    """Layer ``l`` readable once ``events[l]`` has passed; copies enqueued lazily on ``side``.
+class LayerWaits:
+    """A load the forward waits for layer by layer, and whether it did so for every layer in order.
 
     The caller's stream was *not* made to wait for the load: it must wait for each layer before
     that layer's attention reads it (``wait_layer``) and for all of it before anything else uses
-    the blocks (``wait_all``). Layers are copied in order on one stream, so the last layer's
-    event passing means the whole load is done."""
+    the blocks (``wait_all``). Layers are copied in order on one stream, so the last layer being
+    in means the whole load is. Kinds: ``LayeredLoad`` (in-process) and the MP server's
+    (``server/ipc.py``, interprocess events the server recorded)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.waited = 0  # layers 0..waited-1 have been waited for by some stream
+
+    def wait_layer(self, layer: int, stream: Any) -> None:
+        """Make ``stream`` wait until layer ``layer`` of every loaded block is in the pool."""
+        if not 0 <= layer < self.num_layers:
+            return  # a layer outside this pool (e.g. a draft model's): nothing of it is loaded here
+        self._wait(layer, stream)
+        if layer == self.waited:
+            self.waited += 1
+
+    def wait_all(self, stream: Any) -> None:
+        self._wait(self.num_layers - 1, stream)
+        self.waited = self.num_layers
+
+    @property
+    def fully_waited(self) -> bool:
+        """Every layer was waited for, in order: nothing read a layer before its copies ended."""
+        return self.waited == self.num_layers
+
+    def _wait(self, layer: int, stream: Any) -> None:
+        raise NotImplementedError
+
+
+class LayeredLoad(LayerWaits):
+    """Layer ``l`` readable once ``events[l]`` has passed; copies enqueued lazily on ``side``."""
 
     def __init__(self, layers: Iterator[int], events: list[Any], side: Any,
                  on_issued: Callable[[BaseException | None], None]) -> None:
         """``layers``: each ``next()`` enqueues the next layer on the current stream (the mover's
         ``scatter_layers``). ``on_issued(None)`` once every layer is enqueued, ``on_issued(error)``
         if one could not be."""
+        super().__init__(len(events))
         self.events = events
-        self.waited = 0  # layers 0..waited-1 have been waited for by some stream
         self.issued = 0  # layers 0..issued-1 are enqueued and their events recorded
         self._layers, self._side, self._on_issued = layers, side, on_issued
         self._failed: BaseException | None = None
@@ -78,19 +107,9 @@ class LayeredLoad:
             if self.issued == len(self.events):
                 self._on_issued(None)
 
-    def wait_layer(self, layer: int, stream: Any) -> None:
-        """Make ``stream`` wait until layer ``layer`` of every loaded block is in the pool."""
-        if not 0 <= layer < len(self.events):
-            return  # a layer outside this pool (e.g. a draft model's): nothing of it is loaded here
+    def _wait(self, layer: int, stream: Any) -> None:
         self.issue_through(layer + 1 + LAYERS_AHEAD)
         stream.wait_event(self.events[layer])
-        if layer == self.waited:
-            self.waited += 1
-
-    def wait_all(self, stream: Any) -> None:
-        self.issue_through(len(self.events))
-        stream.wait_event(self.events[-1])
-        self.waited = len(self.events)
 
     def finish(self) -> None:
         """Enqueue every remaining layer (nothing waits): shutdown, or a forward that stopped early."""
@@ -100,8 +119,3 @@ class LayeredLoad:
     @property
     def fully_issued(self) -> bool:
         return self.issued == len(self.events) or self._failed is not None
-
-    @property
-    def fully_waited(self) -> bool:
-        """Every layer was waited for, in order: nothing read a layer before its copies ended."""
-        return self.waited == len(self.events)

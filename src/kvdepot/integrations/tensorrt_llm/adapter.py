@@ -33,7 +33,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvdepot.engine import CacheEngine, LayeredLoad, StoreHandle
+from kvdepot.engine import CacheEngine, StoreHandle
 from kvdepot.integrations.planner import DeltaPlanner, SentState
 from kvdepot.integrations.saves import take_saved
 from kvdepot.integrations.tensorrt_llm.api import (
@@ -47,7 +47,7 @@ from kvdepot.integrations.tensorrt_llm.utils import (
     get_or_create_engine,
     tokens_per_block,
 )
-from kvdepot.transfer.layered import TransferFailed
+from kvdepot.transfer.layered import LayerWaits, TransferFailed
 
 logger = logging.getLogger("kvdepot")
 
@@ -193,7 +193,7 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         self._started: set[int] = set()  # async loads TensorRT-LLM has seen start (get_finished's argument)
         self._pending_saves: list[tuple[_WorkerRequest, list[int], list[bytes]]] = []  # noted, not enqueued
         self._save_stream: Any = None
-        self._layered: list[LayeredLoad] = []  # this forward's layered loads
+        self._layered: list[LayerWaits] = []  # this forward's layered loads
         self._hook_layers = 0  # layers 0.. whose wait_for_layer_load this forward has called, in order
         self._hooks_fire = False  # a whole forward's hooks were seen: layered loads will be waited for
         self._hooks_failed = False  # a forward skipped a layered load's layer: whole loads for good
@@ -229,7 +229,7 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
         want = (item.load_skip_blocks + item.load_num_blocks) * B
         args = dict(keys=state.keys, skip_blocks=item.load_skip_blocks, num_blocks=item.load_num_blocks,
                     lease=item.request_id, stream=stream)
-        if by_layer and self._hooks_fire and not self._hooks_failed and self._engine.config.load_by_layer == "auto":
+        if by_layer and self._may_load_by_layer():
             got, layered = self._engine.retrieve_by_layer(None, state.block_ids, **args)
             if layered is not None:
                 self._layered.append(layered)
@@ -237,6 +237,12 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
             got = self._engine.retrieve(None, state.block_ids, **args)
         if got != want:  # only possible if a lease expired before its load: never silent
             logger.error("kvdepot: req=%s loaded %d of %d tokens; lease expired before the load", item.request_id, got, want)
+
+    def _may_load_by_layer(self) -> bool:
+        """Whether this forward's hits may be loaded by layer: configured so, and a whole forward's
+        layer hooks have been seen to fire in order (and none has skipped one since)."""
+        config = getattr(self._engine, "config", None)
+        return self._hooks_fire and not self._hooks_failed and getattr(config, "load_by_layer", "off") == "auto"
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Make the forward stream wait for layer ``layer_idx`` of this step's layered loads (whole

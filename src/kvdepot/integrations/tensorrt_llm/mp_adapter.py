@@ -143,19 +143,24 @@ class KvDepotMPConnectorWorker(KvDepotConnectorWorker):
         self._engine = get_or_create_remote(self._llm_args, kv_cache_tensor)  # type: ignore[assignment]
         self._requests.clear()
 
-    def _send_load(self, item: RequestMeta, state: _WorkerRequest, stream: Any) -> tuple[Any, int]:
+    def _send_load(self, item: RequestMeta, state: _WorkerRequest, stream: Any, *,
+                   by_layer: bool = False) -> tuple[Any, int]:
         engine: RemoteEngine = self._engine  # type: ignore[assignment]
         lease = (getattr(self._metadata, "lease_session", 0), item.request_id)
         handle = engine.retrieve_async(
             None, state.block_ids, keys=state.keys, skip_blocks=item.load_skip_blocks,
-            num_blocks=item.load_num_blocks, lease=lease, stream=stream,
+            num_blocks=item.load_num_blocks, lease=lease, stream=stream, by_layer=by_layer,
         )
         return handle, (item.load_skip_blocks + item.load_num_blocks) * engine.tokens_per_block
 
     def _load(self, item: RequestMeta, state: _WorkerRequest, stream: Any, *, by_layer: bool = True) -> None:
-        """A whole load by the server (it copies whole blocks; ``by_layer`` does not apply)."""
-        handle, want = self._send_load(item, state, stream)
+        """A load by the server, by layer where the in-process worker would load by layer and the
+        server can (it copies every layer before it answers, recording each layer's interprocess
+        event; the forward then waits for each layer in ``wait_for_layer_load``)."""
+        handle, want = self._send_load(item, state, stream, by_layer=by_layer and self._may_load_by_layer())
         _check_load(item.request_id, handle.result(), want)
+        if handle.layered is not None:
+            self._layered.append(handle.layered)
 
     def start_load_kv(self, stream: Any) -> None:
         super().start_load_kv(stream)  # synchronous loads run; asynchronous ones are parked
