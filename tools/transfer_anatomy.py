@@ -237,8 +237,9 @@ if a.stamps:
             for thread in dict.fromkeys(s[0] for s in stamps):
                 mine = [(w, t - t0) for th, w, t in stamps if th == thread]
                 calls = [t for w, t in mine if w == "call"]
-                marks = [next(t for w, t in mine if w == "list"), next(t for w, t in mine if w == "listed"),
-                         calls[0], calls[-1], returned, len(calls)]
+                nan = float("nan")  # a thread that built no list, or made no driver call
+                marks = [next((t for w, t in mine if w == "list"), nan), next((t for w, t in mine if w == "listed"), nan),
+                         calls[0] if calls else nan, calls[-1] if calls else nan, returned, len(calls)]
                 rows.setdefault(thread, []).append(marks)
         for thread, marks in rows.items():
             med = [statistics.median(m[k] for m in marks) * (1e3 if k < 5 else 1) for k in range(6)]
