@@ -12,7 +12,9 @@ Scheduler (rank 0)                               Worker (every rank)
                                                      sampling); requests whose saves completed
 Loads by layer (``load_by_layer: auto``, CUDA pools whose per-layer parts are >= 64 KiB): the
 load is copied layer by layer and ``wait_for_layer_load(i)`` makes the forward stream wait only
-for layer ``i``, so a hit's copies overlap the forward over the new tokens. The worker only does
+for layer ``i``, so a hit's copies overlap the forward over the new tokens; the copies are
+enqueued a few layers ahead of the hooks (``transfer/layered.py``), and in MP mode by the server
+before it answers (``mp_adapter``). The worker only does
 so once it has seen a whole forward's layer hooks fire (TensorRT-LLM skips them on CUDA-graph
 replays); a layered load whose layers were not all waited for is waited for wholly at
 ``wait_for_save``, logged, and layered loads are turned off. Otherwise the hit loads whole in

@@ -12,7 +12,8 @@ classes subclass it); what differs is where the engine is:
 Scheduler (rank 0)                                  Worker (every rank)
   LOOKUP + QUERY_PREFETCH_STATUS: in host memory ->   register_kv_caches -> REGISTER its shard (CUDA
   sync; still promoted from disk/Redis -> is_async    IPC / shared file / bytes) with the server
-  (loaded via update_state_after_alloc's blocks)      start_load_kv -> RETRIEVE (server copies)
+  (loaded via update_state_after_alloc's blocks)      start_load_kv -> RETRIEVE (server copies,
+                                                        by layer where in-process would)
   hits count only where every TP rank holds the       wait_for_save -> notes the step's saves
   chunk (the server checks; keys are rank-free)       get_finished -> STORE (after sampling); saves
                                                       replied, async loads in
