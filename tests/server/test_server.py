@@ -175,6 +175,19 @@ def test_other_geometry_for_the_same_model_is_refused(server_url, client, workdi
         other.close()
 
 
+@pytest.mark.parametrize(("layers", "count"), [(2, 1), (2, 3), (2, 2000), (1100, 1100)])
+def test_a_pool_with_layer_events_not_one_per_layer_is_refused(client, layers, count):
+    """A REGISTER naming layer events must name one per layer, at most 1024: anything else is
+    refused by name before the server opens a handle (a CUDA one here, on a machine without)."""
+    pool = p.CudaIpcPool(b"h" * 64, 0, 1 << 40, "GPU-x", b"e" * 64, b"f" * 64, (b"l" * 64,) * count)
+    msg = p.Register(f"layer-events-{layers}", 0, 1, TOKENS_PER_BLOCK, POOL_SHAPE[0], layers, 2, POOL_SHAPE[3],
+                     "bfloat16", layers * 2 * POOL_SHAPE[3] * 2, pool)
+    with pytest.raises(ServerError) as info:
+        client.call(msg)
+    assert info.value.code == p.ErrorCode.BAD_REQUEST
+    assert f"{count} layer events for {layers} layers" in info.value.message and "up to 1024" in info.value.message
+
+
 def test_client_with_another_protocol_version_gets_a_clear_error(server_url):
     raw = DepotClient(server_url, timeout_s=5.0, connect=False)
     try:

@@ -38,7 +38,7 @@ from kvdepot.transfer.layered import LayerWaits
 logger = logging.getLogger("kvdepot")
 
 _IPC_HANDLE_BYTES = 64
-MAX_LAYER_EVENTS = 1024  # a descriptor asking the server to open more is refused
+MAX_LAYER_EVENTS = 1024  # a REGISTER whose pool names more is refused (service.register)
 
 
 class IpcError(KVDepotError):
@@ -175,7 +175,8 @@ def _export_cuda(pool: torch.Tensor, layers: int = 0) -> ExportedPool:
         handle = _check(runtime.cudaIpcGetMemHandle(int(base)), "cudaIpcGetMemHandle")
         to_server, to_server_handle = _interprocess_event(runtime)
         to_client, to_client_handle = _interprocess_event(runtime)
-        per_layer = [_interprocess_event(runtime) for _ in range(min(layers, MAX_LAYER_EVENTS))]
+        # one per layer or none (more layers than the server accepts: whole loads only)
+        per_layer = [_interprocess_event(runtime) for _ in range(layers if layers <= MAX_LAYER_EVENTS else 0)]
     desc = CudaIpcPool(
         mem_handle=bytes(handle.reserved), offset=pool.data_ptr() - int(base), alloc_bytes=int(size),
         device_uuid=device_uuid(index), to_server_event=to_server_handle, to_client_event=to_client_handle,
@@ -296,8 +297,6 @@ def _map_cuda(desc: CudaIpcPool, nbytes: int, shape: tuple[int, ...], dtype: tor
         base = int(_check(runtime.cudaIpcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
         events = []
         try:
-            if len(desc.layer_events) > MAX_LAYER_EVENTS:
-                raise IpcError(f"{len(desc.layer_events)} layer events (at most {MAX_LAYER_EVENTS})")
             for blob in (desc.to_server_event, desc.to_client_event, *desc.layer_events):
                 event_handle = runtime.cudaIpcEventHandle_t()
                 event_handle.reserved = blob

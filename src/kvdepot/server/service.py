@@ -31,7 +31,14 @@ from kvdepot.keys import KEY_BYTES
 from kvdepot.layout import PoolLayout
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
-from kvdepot.server.ipc import IpcError, device_by_uuid, frame_tensor, open_pool, torch_dtype
+from kvdepot.server.ipc import (
+    MAX_LAYER_EVENTS,
+    IpcError,
+    device_by_uuid,
+    frame_tensor,
+    open_pool,
+    torch_dtype,
+)
 from kvdepot.server.protocol import ErrorCode, ProtocolError
 from kvdepot.server.session import Registration, Session
 from kvdepot.server.shard import Group
@@ -164,6 +171,10 @@ class DepotService:
         if layout.bytes_per_block != msg.bytes_per_block:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: bytes_per_block {msg.bytes_per_block} != "
                                 f"{layout.bytes_per_block} computed from the geometry")
+        layer_events = len(getattr(msg.pool, "layer_events", ()))
+        if layer_events not in (0, layout.num_layers) or layer_events > MAX_LAYER_EVENTS:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: {layer_events} layer events for {layout.num_layers} "
+                                f"layers (none, or one per layer up to {MAX_LAYER_EVENTS})")
         group = self._group(msg, layout)
         shard = group.shard(msg.tp_rank, layout, _cuda_index(msg.pool))
         shape = (layout.num_blocks, layout.num_layers, layout.kv_factor, layout.block_elems)
@@ -285,7 +296,7 @@ class DepotService:
                     reg.pool.signal_layers(load)
                     layered.append(True)
 
-            by_layer = msg.by_layer and len(reg.pool.layer_events) == reg.layout.num_layers
+            by_layer = msg.by_layer and bool(reg.pool.layer_events)  # one per layer (checked at REGISTER)
             with _device(reg.pool.tensor):
                 reg.pool.wait_client(msg.synced)
                 end = reg.shard.retrieve(reg.pool.tensor, keys, msg.block_ids, msg.skip_blocks, msg.num_blocks, lease,
