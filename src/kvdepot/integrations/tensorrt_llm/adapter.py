@@ -243,8 +243,8 @@ class KvDepotConnectorWorker(KvCacheConnectorWorker):
     def _may_load_by_layer(self) -> bool:
         """Whether this forward's hits may be loaded by layer: configured so, and a whole forward's
         layer hooks have been seen to fire in order (and none has skipped one since)."""
-        config = getattr(self._engine, "config", None)
-        return self._hooks_fire and not self._hooks_failed and getattr(config, "load_by_layer", "off") == "auto"
+        assert self._engine is not None
+        return self._hooks_fire and not self._hooks_failed and self._engine.config.load_by_layer == "auto"
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Make the forward stream wait for layer ``layer_idx`` of this step's layered loads (whole
