@@ -25,6 +25,7 @@ at most: its copies run off the forward stream).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -190,7 +191,7 @@ class _ConnectorClock:
              "worker": ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished")}
 
     def __init__(self) -> None:
-        self.seconds, self._depth, self._saved = 0.0, 0, []
+        self.seconds, self._depth, self._patches = 0.0, 0, contextlib.ExitStack()
 
     def __enter__(self) -> _ConnectorClock:
         from kvdepot.integrations.tensorrt_llm import adapter
@@ -198,14 +199,11 @@ class _ConnectorClock:
         for cls, names in ((adapter.KvDepotConnectorScheduler, self.HOOKS["scheduler"]),
                            (adapter.KvDepotConnectorWorker, self.HOOKS["worker"])):
             for name in names:
-                original = cls.__dict__[name]
-                self._saved.append((cls, name, original))
-                setattr(cls, name, self._timed(original))
+                self._patches.enter_context(mock.patch.object(cls, name, self._timed(cls.__dict__[name])))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for cls, name, original in self._saved:
-            setattr(cls, name, original)
+        self._patches.close()
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
