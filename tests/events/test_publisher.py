@@ -74,6 +74,10 @@ def test_subscriber_decodes_with_vllm_and_sequence_numbers_have_no_gaps(ctx, ipc
         assert (stored.medium, stored.locality, stored.ownership) == ("CPU", "LOCAL", None)
         # Everything since 0 is still there for replay, the batches before the subscription too.
         assert [seq for _, seq, _ in replay(ctx, pub.replay_endpoint)] == list(range(seqs[-1] + 1))
+        pub.close()  # the last batch says: forget what this publisher announced
+        last = recv(sub, 2000)
+        assert last is not None and last[1] == seqs[-1] + 1
+        assert [type(e).__name__ for e in vllm_decode(last[2]).events] == ["AllBlocksCleared"]
     finally:
         sub.close(linger=0)
         pub.close()

@@ -238,10 +238,10 @@ class KVEventPublisher:
                         self._replay.send_multipart((frames[0], b"", self._topic, seq_bytes(seq), payload))
             else:
                 logger.warning("kvdepot: malformed KV-event replay request (%d frames)", len(frames))
-            self._replay.send_multipart((frames[0], b"", b"", END_SEQ, b""))
-            with self._stats_lock:
+            with self._stats_lock:  # counted before the end marker: a client may read stats after it
                 self._stats.replays += ok
                 self._stats.bad_replays += not ok
+            self._replay.send_multipart((frames[0], b"", b"", END_SEQ, b""))
 
 
 class _HolderSink:
