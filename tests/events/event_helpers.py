@@ -46,3 +46,21 @@ def all_events(ctx: zmq.Context, publisher) -> list:  # noqa: ANN001
     got = replay(ctx, publisher.replay_endpoint)
     assert [seq for _, seq, _ in got] == list(range(len(got)))
     return [event for _, _, payload in got for event in vllm_decode(payload).events]
+
+
+def where(event) -> tuple:  # noqa: ANN001
+    return type(event).__name__, event.medium, event.locality, event.ownership
+
+
+def fold(events: list) -> dict[tuple, tuple[list[int], list[int]]]:
+    """(kind, medium, locality, ownership) -> (block hashes, token ids) in the order sent: how a
+    store is split into events (one per chunk, or chained chunks merged) is not the contract."""
+    out: dict[tuple, tuple[list[int], list[int]]] = {}
+    for event in events:
+        if type(event).__name__ == "AllBlocksCleared":
+            out.setdefault(("AllBlocksCleared",), ([], []))
+            continue
+        hashes, tokens = out.setdefault(where(event), ([], []))
+        hashes.extend(event.block_hashes)
+        tokens.extend(getattr(event, "token_ids", []))
+    return out

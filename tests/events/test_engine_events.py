@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import redis
-from event_helpers import CHUNK, TPB, all_events
+from event_helpers import CHUNK, TPB, all_events, fold, where
 
 from kvdepot.events.base import NULL_SINK
 from kvdepot.events.hashes import BlockHasher
@@ -17,24 +17,6 @@ HASHER = BlockHasher("m")
 
 def prompt(tag: int, chunks: int) -> list[int]:
     return [tag * 10_000 + i for i in range(chunks * CHUNK)]
-
-
-def where(event) -> tuple:  # noqa: ANN001
-    return type(event).__name__, event.medium, event.locality, event.ownership
-
-
-def fold(events: list) -> dict[tuple, tuple[list[int], list[int]]]:
-    """(kind, medium, locality, ownership) -> (block hashes, token ids) in the order sent: how a
-    store is split into events (one per chunk, or chained chunks merged) is not the contract."""
-    out: dict[tuple, tuple[list[int], list[int]]] = {}
-    for event in events:
-        if type(event).__name__ == "AllBlocksCleared":
-            out.setdefault(("AllBlocksCleared",), ([], []))
-            continue
-        hashes, tokens = out.setdefault(where(event), ([], []))
-        hashes.extend(event.block_hashes)
-        tokens.extend(getattr(event, "token_ids", []))
-    return out
 
 
 HOST = ("BlockStored", "CPU", "LOCAL", None)

@@ -187,7 +187,7 @@ class DepotService:
         host_blocks = shard.engine.host.num_slots * layout.blocks_per_chunk
         disk_blocks = int(group.config.disk_capacity_gb * 1e9) // layout.bytes_per_block if group.config.disk_path else 0
         return p.RegisterReply(self.config.chunk_size, self.config.hash_algo, host_blocks, disk_blocks,
-                               group.hasher.seed, group.name), []
+                               group.hasher.seed, group.name, self.events is not None), []
 
     def _group(self, msg: p.Register, layout: PoolLayout) -> Group:
         with self._lock:
@@ -200,7 +200,7 @@ class DepotService:
 
     # ---- lookups ------------------------------------------------------------------------------
     def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads, *, now: bool = False) -> p.Reply:
-        if now and (msg.tokens or len(msg.keys) > INLINE_KEYS * KEY_BYTES):
+        if now and ((msg.tokens and not msg.keys) or len(msg.keys) > INLINE_KEYS * KEY_BYTES):
             raise _WouldBlock  # hashing tokens, or a very long prompt: not on the loop thread
         session = self._session(peer)
         reg = session.registration()
