@@ -200,13 +200,18 @@ class RemoteEngine:
         if self.hasher is None:
             raise Irrecoverable("not registered with a kvdepot server yet")
         keys = self.hasher.chunk_keys(tokens)
+        self.describe(keys, tokens)
+        return keys
+
+    def describe(self, keys: Sequence[ChunkKey], tokens: Sequence[int]) -> None:
+        """``keys[i]`` holds ``tokens[i*C:(i+1)*C]``: remembered (the last ``_RECENT_PROMPTS``
+        prompts) when the server publishes KV events, so a LOOKUP by ``keys`` carries them."""
         if keys and self.granted is not None and self.granted.wants_tokens:
             with self._recent_lock:
                 self._recent_tokens[keys[-1]] = tokens
                 self._recent_tokens.move_to_end(keys[-1])
                 if len(self._recent_tokens) > _RECENT_PROMPTS:
                     self._recent_tokens.popitem(last=False)
-        return keys
 
     def _tokens_for(self, keys: Sequence[ChunkKey], tokens: Sequence[int] | None) -> list[int]:
         """What a LOOKUP carries beside its keys: nothing, unless the server asked for tokens."""
