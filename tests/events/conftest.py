@@ -49,6 +49,8 @@ def make_engine(ipc_dir: str) -> Iterator[Callable[..., CacheEngine]]:
     yield make
     for engine in made:
         engine.close()
+    left = [t.name for t in threading.enumerate() if t.name.startswith("kvdepot-kv-events")]
+    assert not left, f"publisher threads left running: {left}"
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ full queue drops the call and counts it: a router then sees a stale hint, never 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -27,6 +26,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import zmq
 
 from kvdepot.config import DepotConfig
@@ -89,7 +89,10 @@ class KVEventPublisher:
         self._topic = topic.encode()
         self._rank = data_parallel_rank
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
-        self._queue: queue.Queue[object] = queue.Queue(max_pending)
+        # NOTE: a deque, not a queue.Queue: append/popleft are atomic without a lock, so a tier's
+        # call costs ~0.1 us instead of a lock and a condition variable contended by this thread.
+        self._pending: deque[object] = deque()
+        self._max_pending = max_pending
         self._catalog = Catalog()
         self._stats = PublisherStats()
         self._stats_lock = threading.Lock()
@@ -100,8 +103,9 @@ class KVEventPublisher:
     # ---- EventSink (as the holder "") -------------------------------------------------------
     def describe(self, keys: Sequence[ChunkKey], tokens: Sequence[int], space: EventSpace) -> None:
         count = min(len(keys), len(tokens) // space.chunk_size)
-        if count:  # NOTE: copied now: the caller's token list may grow or change after this call
-            self._put(("describe", list(keys[:count]), token_bytes(tokens[: count * space.chunk_size]), space))
+        if count:  # NOTE: copied now (a slice): the caller's token list may grow or change later
+            part = tokens[: count * space.chunk_size]
+            self._put(("describe", list(keys[:count]), part.copy() if isinstance(part, np.ndarray) else list(part), space))
 
     def stored(self, medium: Medium, keys: Sequence[ChunkKey], holder: Hashable = "") -> None:
         if keys:
@@ -137,7 +141,7 @@ class KVEventPublisher:
             return
         self.cleared()
         self._closed = True
-        self._queue.put(_STOP)  # NOTE: blocking put: the stop must not be dropped
+        self._pending.append(_STOP)  # never dropped, whatever the bound
         self._thread.join(timeout)
         if self._thread.is_alive():  # pragma: no cover - the thread only blocks on bounded polls
             logger.warning("kvdepot: KV-event thread did not stop within %.1fs", timeout)
@@ -153,13 +157,12 @@ class KVEventPublisher:
     def _put(self, op: object) -> bool:
         if self._closed:
             return False
-        try:
-            self._queue.put_nowait(op)
-            return True
-        except queue.Full:
+        if len(self._pending) >= self._max_pending:
             with self._stats_lock:
                 self._stats.dropped_calls += 1
             return False
+        self._pending.append(op)
+        return True
 
     # ---- the thread --------------------------------------------------------------------------
     def _run(self) -> None:
@@ -192,8 +195,8 @@ class KVEventPublisher:
         ops: list[object] = []
         try:
             while len(ops) < _MAX_OPS:
-                ops.append(self._queue.get_nowait())
-        except queue.Empty:
+                ops.append(self._pending.popleft())
+        except IndexError:
             pass
         return ops
 
@@ -201,7 +204,7 @@ class KVEventPublisher:
         try:
             kind = op[0]
             if kind == "describe":
-                self._catalog.describe(op[1], op[2], op[3])
+                self._catalog.describe(op[1], token_bytes(op[2]), op[3])
                 return []
             if kind == "stored":
                 return self._catalog.stored(op[1], op[2], op[3])
