@@ -66,10 +66,15 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
 
 def _engine(args: argparse.Namespace, max_tokens: int, connected: bool, server_url: str | None = None):
     from kvdepot.runtime import Engine, KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
+    from kvdepot.runtime.llm_args import MainKvCacheConnectorConfig
 
     module = "kvdepot.integrations.tensorrt_llm." + ("mp_adapter" if server_url else "adapter")
     prefix = "KvDepotMP" if server_url else "KvDepot"
-    connector = KvCacheConnectorConfig(module, prefix + "ConnectorScheduler", prefix + "ConnectorWorker", server_url)
+    names = dict(connector_module=module, connector_scheduler_class=prefix + "ConnectorScheduler",
+                 connector_worker_class=prefix + "ConnectorWorker")
+    # server_url in the connector config is main's wider model (1.2 users set KVDEPOT_SERVER_URL).
+    connector = (MainKvCacheConnectorConfig(**names, server_url=server_url) if server_url
+                 else KvCacheConnectorConfig(**names))
     llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=max_tokens),
                             kv_connector_config=connector if connected else None)
     return Engine(args.model, device=args.device, llm_args=llm_args, seed=0)
