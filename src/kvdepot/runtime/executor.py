@@ -68,7 +68,7 @@ class Engine:
         self.tokens_per_block = kv.tokens_per_block
         self.num_blocks = self._num_blocks()
         self.pool = torch.zeros(self.model.pool_shape(self.num_blocks, self.tokens_per_block),
-                                dtype=self.model.config.dtype, device=self.device)
+                                dtype=self.model.config.pool_dtype, device=self.device)
         self.blocks = BlockManager(self.num_blocks, self.tokens_per_block, kv.enable_block_reuse)
         self.connector = ConnectorManager.create(classes, self.llm_args) if classes else None
         if self.connector is not None:
@@ -90,8 +90,7 @@ class Engine:
         kv, c = self.llm_args.kv_cache_config, self.model.config
         caps = [kv.max_tokens // kv.tokens_per_block] if kv.max_tokens else []
         if self.device.type == "cuda" and kv.free_gpu_memory_fraction:
-            per_block = 2 * c.num_layers * c.kv_block_elems_per_token * kv.tokens_per_block
-            per_block *= torch.empty((), dtype=c.dtype).element_size()
+            per_block = c.kv_bytes_per_token * kv.tokens_per_block
             caps.append(int(torch.cuda.mem_get_info(self.device)[0] * kv.free_gpu_memory_fraction) // per_block)
         elif not caps:
             caps.append(CPU_DEFAULT_MAX_TOKENS // kv.tokens_per_block)
