@@ -3,21 +3,25 @@
 One engine, one prompt A of 321 tokens (320 = 10 blocks = 5 chunks reusable): a miss saves it, a
 filler evicts it from the engine's pool, A again loads its 320 tokens from kvdepot, and A once more
 finds them on the device. The loaded blocks must hold the miss's bytes exactly, and the kvdepot hit
-must give the device hit's logits bit for bit (the same forward over the same KV).
+must give the device hit's logits bit for bit (the same forward over the same KV). Server mode
+talks to a ``kvdepot server`` subprocess (a bytes pool on CPU, CUDA IPC on a GPU).
 """
 
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from kvdepot.config import load_config
 from kvdepot.integrations.tensorrt_llm import mp_adapter
 from kvdepot.integrations.tensorrt_llm.adapter import (
     KvDepotConnectorScheduler,
@@ -28,6 +32,32 @@ from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
 
 TPB, CHUNK, POOL_TOKENS, NEW = 32, 64, 352, 4
 MODELS = ["mla-tiny", "tiny-fp8", "mla-tiny-fp8"]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(scope="module")
+def server_url():
+    """One ``python -m kvdepot.server`` for the module; each model gets its own namespace."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))  # short: an ipc:// path has 108 bytes at most
+    url, log = f"ipc://{workdir}/s.sock", workdir / "server.log"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "kvdepot.server", "--url", url, "--chunk-size", str(CHUNK),
+                                 "--host-capacity-gb", "0.2", "--log-level", "WARNING"],
+                                stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "listening on" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -51,11 +81,11 @@ def _model(name: str) -> Any:
     return name
 
 
-def _scenario(model: str, connector: tuple[type, type], ready: Any = None) -> None:
+def _scenario(model: str, device: str, connector: tuple[type, type], ready: Any = None) -> None:
     blocks: dict[int, list[int]] = {}
     llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=TPB, max_tokens=POOL_TOKENS),
                             model=f"{model}-hits")
-    eng = Engine(_model(model), llm_args=llm_args, connector=_recording(*connector, blocks), seed=0)
+    eng = Engine(_model(model), device=device, llm_args=llm_args, connector=_recording(*connector, blocks), seed=0)
     if ready is not None:
         ready()
     a, filler = _prompt(321, 1), _prompt(POOL_TOKENS - NEW + 1, 2)
@@ -72,35 +102,31 @@ def _scenario(model: str, connector: tuple[type, type], ready: Any = None) -> No
     assert all(torch.equal(x, y) for x, y in zip(hit.logits, device.logits, strict=True))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model", MODELS)
-def test_in_process_hit_is_the_device_hit(model, monkeypatch, kvdepot_env_cleared):
+def test_in_process_hit_is_the_device_hit(model, device, monkeypatch, kvdepot_env_cleared):
     monkeypatch.setenv("KVDEPOT_CHUNK_SIZE", str(CHUNK))
     destroy_engine()
     try:
-        _scenario(model, (KvDepotConnectorScheduler, KvDepotConnectorWorker))
+        _scenario(model, device, (KvDepotConnectorScheduler, KvDepotConnectorWorker))
         stats = current_engine().stats()
         assert stats.live_leases == 0 and stats.inflight_transfers == 0
     finally:
         destroy_engine()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("model", MODELS)
-def test_server_mode_hit_is_the_device_hit(model, monkeypatch, kvdepot_env_cleared):
-    from kvdepot.server.server import DepotServer
-
-    workdir = tempfile.mkdtemp(prefix="kvd-", dir="/tmp")  # short: an ipc:// path has 108 bytes at most
-    server = DepotServer(f"ipc://{workdir}/s.sock", load_config(chunk_size=CHUNK, host_capacity_gb=0.05)).start()
-    monkeypatch.setenv("KVDEPOT_SERVER_URL", server.url)  # 1.2: not in kv_connector_config
+def test_server_mode_hit_is_the_device_hit(model, device, server_url, monkeypatch, kvdepot_env_cleared):
+    monkeypatch.setenv("KVDEPOT_SERVER_URL", server_url)  # 1.2: not in kv_connector_config
 
     def ready() -> None:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 20
         while mp_adapter.current_remote() is None:
             assert time.monotonic() < deadline, "the worker never registered with the server"
             time.sleep(0.01)
 
     try:
-        _scenario(model, (mp_adapter.KvDepotMPConnectorScheduler, mp_adapter.KvDepotMPConnectorWorker), ready)
+        _scenario(model, device, (mp_adapter.KvDepotMPConnectorScheduler, mp_adapter.KvDepotMPConnectorWorker), ready)
     finally:
         mp_adapter.destroy_remote()
-        server.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
