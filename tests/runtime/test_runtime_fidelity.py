@@ -52,8 +52,9 @@ def test_connector_config_is_strict_keyword_only_with_three_fields():
         KvCacheConnectorConfig(**NAMES, server_url="ipc:///tmp/x.sock")
     with pytest.raises(ConfigError, match="connector_worker_class: Field required"):
         KvCacheConnectorConfig(connector_module="m", connector_scheduler_class="S")
-    with pytest.raises(ConfigError, match="connector_module: Input should be a valid string"):
-        KvCacheConnectorConfig(**{**NAMES, "connector_module": 3})
+    for bad in (3, None):
+        with pytest.raises(ConfigError, match="connector_module: Input should be a valid string"):
+            KvCacheConnectorConfig(**{**NAMES, "connector_module": bad})
     with pytest.raises(ConfigError, match="connector: Extra inputs"):
         KvCacheConnectorConfig.model_validate({**NAMES, "connector": "kvdepot"})
     assert not hasattr(cfg, "server_url")  # what a 1.2 connector's getattr finds

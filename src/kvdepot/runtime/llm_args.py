@@ -63,8 +63,8 @@ class KvCacheConnectorConfig:
     def _validate(cls, data: dict[str, object]) -> None:
         errors = [f"{k}: Extra inputs are not permitted" for k in data if k not in cls.FIELDS and k not in cls.OPTIONAL]
         errors += [f"{k}: Field required" for k in cls.FIELDS if k not in data]
-        errors += [f"{k}: Input should be a valid string, got {type(v).__name__}"
-                   for k, v in data.items() if v is not None and not isinstance(v, str)]
+        errors += [f"{k}: Input should be a valid string, got {type(v).__name__}" for k, v in data.items()
+                   if not isinstance(v, str) and (k in cls.FIELDS or (k in cls.OPTIONAL and v is not None))]
         if errors:
             raise ConfigError(f"{len(errors)} validation error(s) for {cls.__name__}: " + "; ".join(errors)
                               + f" (allowed keys: {', '.join((*cls.FIELDS, *cls.OPTIONAL))})")
