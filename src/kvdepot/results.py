@@ -1,7 +1,7 @@
-"""What ``CacheEngine``'s calls answer (``engine.py`` re-exports them; ``RemoteEngine`` answers the
-same ``Hit``):
+"""What ``CacheEngine``'s calls answer (``engine.py`` re-exports them):
 
     Hit           probe: where the cached run ends, and how much of it is in host memory now
+                  (defined with the contract in ``engine_api.py``; ``RemoteEngine`` answers it too)
     StoreHandle   store: the copies in flight, ``done()`` / ``wait()``
     LayeredLoad   retrieve_by_layer: one event per layer, for the forward to wait on layer by layer
                   (defined with its mechanism in ``transfer/layered.py``)
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvdepot.engine_api import Hit
 from kvdepot.storage.base import TierStats
 from kvdepot.transfer.inflight import InflightTransfers
 from kvdepot.transfer.layered import LayeredLoad
@@ -43,19 +44,6 @@ class EngineStats:
     refused_batches: int = 0  # batched copies the driver refused, each redone by per-run copies (logged)
     layered_loads: int = 0  # loads issued layer by layer (``retrieve_by_layer``)
     lower: list[TierStats] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A lookup's answer: where the cached run ends, and how much of it is in host memory now."""
-
-    tokens: int  # end of the cached run, in tokens from position 0 (host and lower tiers)
-    host_tokens: int  # end of the part already in host memory
-
-    @property
-    def pending(self) -> bool:
-        """Part of the hit is being promoted from disk/Redis: load it asynchronously."""
-        return self.tokens > self.host_tokens
 
 
 class StoreHandle:
