@@ -5,6 +5,7 @@
     StoreHandle   store: the copies in flight, ``done()`` / ``wait()``
     LayeredLoad   retrieve_by_layer: one event per layer, for the forward to wait on layer by layer
                   (defined with its mechanism in ``transfer/layered.py``)
+    FinishedLoad  retrieve_async: a load done in the call (``engine_api.PendingLoad``)
     EngineStats   stats: counters and a snapshot of the tiers
 """
 
@@ -15,9 +16,9 @@ from dataclasses import dataclass, field
 from kvdepot.engine_api import Hit
 from kvdepot.storage.base import TierStats
 from kvdepot.transfer.inflight import InflightTransfers
-from kvdepot.transfer.layered import LayeredLoad
+from kvdepot.transfer.layered import LayeredLoad, LayerWaits
 
-__all__ = ["EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
+__all__ = ["EngineStats", "FinishedLoad", "Hit", "LayeredLoad", "StoreHandle"]
 
 
 @dataclass
@@ -58,3 +59,17 @@ class StoreHandle:
     def wait(self) -> None:
         if self._token is not None:
             self._transfers.wait_for(self._token)
+
+
+@dataclass
+class FinishedLoad:
+    """A load answered in the call (in-process ``retrieve_async``): ``PendingLoad``, already done."""
+
+    end: int  # tokens from 0 valid once the stream waited (or ``layered`` was waited on)
+    layered: LayerWaits | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> int:
+        return self.end

@@ -332,7 +332,7 @@ def run(args: argparse.Namespace) -> dict:
         kv_gb = 2.5 * max(lengths) * _kv_bytes_per_token(args) / 1e9
         with running_server("--chunk-size", "256", "--host-capacity-gb", f"{max(kv_gb, 0.05):.3f}") as url:
             hits += _hits(args, lengths, h2d, "mp", server_url=url)
-            from kvdepot.server.client import print_stats
+            from kvdepot.server.stats_cmd import print_stats
 
             print_stats(url)  # the server's tier counters after the MP rows (drops, evictions, pins)
     print_table(title, hits)

@@ -28,7 +28,7 @@ from redis.retry import Retry
 
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
-from kvdepot.storage.base import TierStats
+from kvdepot.storage.base import CopyInto, TierStats
 from kvdepot.storage.codec import Payload
 
 logger = logging.getLogger("kvdepot")
@@ -37,7 +37,7 @@ T = TypeVar("T")
 _OUTAGE = (redis.ConnectionError, redis.TimeoutError)
 
 
-class RedisTier:
+class RedisTier(CopyInto):
     """Chunk objects of one namespace in a Redis-protocol server."""
 
     name = "redis"
