@@ -340,6 +340,46 @@ def test_lease_timeout_on_the_engine():
     rig.verify_idle()
 
 
+def test_try_probe_and_try_release_never_wait_for_the_engine():
+    """The non-blocking variants (the server's loop thread): the same answers as ``probe`` and
+    ``release`` while the engine is free; None/False, with nothing done, while another thread
+    holds it."""
+    rig = Rig(tpb=4, bpc=1)
+    engine = rig.engine
+    keys = engine.chunk_keys(rig.tokens(8))
+    engine.store(keys, [0, 1]).wait()
+    assert engine.try_probe(keys, lease="t") == engine.probe(keys) and engine.stats().live_leases == 1
+    held, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with engine._lock:  # white box: as a copy's bookkeeping or a pool swap would
+            held.set()
+            go.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        before = engine.stats  # stats() would wait for the lock too: read after
+        assert engine.try_probe(keys, lease="u") is None
+        assert engine.try_release("t") is False
+    finally:
+        go.set()
+        holder.join(10)
+    stats = before()
+    assert stats.live_leases == 1 and stats.lookups == 2  # "u" never probed, "t" still held
+    assert engine.try_release("t") is True
+    rig.verify_idle()
+
+
+def test_try_probe_declines_where_lower_tiers_would_do_io(tmp_path):
+    rig = Rig(tpb=4, bpc=1, disk_path=str(tmp_path), disk_capacity_gb=0.001)
+    keys = rig.engine.chunk_keys(rig.tokens(8))
+    assert rig.engine.try_probe(keys, lease="t") is None and rig.engine.stats().lookups == 0
+    assert rig.engine.probe(keys).tokens == 0  # the blocking probe still answers (nothing stored)
+    rig.engine.close()
+
+
 # ---- bad input: a clear exception, and the cache exactly as it was -----------------------------------
 
 

@@ -55,7 +55,7 @@ class Reply(Future):
 
 @dataclass
 class Call:
-    future: Future
+    future: Reply
     reply: type[msgspec.Struct]
     deadline: float
     timeout: float

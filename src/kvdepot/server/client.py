@@ -67,6 +67,13 @@ _IDLE_POLL_S = 0.05  # the longest any thread sleeps without re-checking deadlin
 _RETRY_SEND_S = 0.01  # how soon a message ZMQ refused (no live peer yet) is offered again
 
 
+class _Waiter(threading.local):
+    """A waiting thread's poll set (the socket's fd and its wake-up pipe), made at its first wait."""
+
+    poller: select.poll | None = None
+    wake_r = wake_w = -1
+
+
 class DepotClient:
     """A connection to one server, shared by every thread of the process that uses it."""
 
@@ -93,7 +100,7 @@ class DepotClient:
         self._warn_lock = threading.Lock()
         self._warned = not log_outages  # True: the one warning per outage has been logged
         self._log_outages = log_outages
-        self._local = threading.local()  # per thread that waits: a poll set and a wake-up pipe
+        self._local = _Waiter()  # per thread that waits: a poll set and a wake-up pipe
         self._pipes: list[int] = []  # every such pipe's fds, closed with the client
         self._io = threading.Thread(target=self._io_loop, name="kvdepot-client-io", daemon=True)
         self._io.start()
@@ -160,7 +167,7 @@ class DepotClient:
             return timeout
         limit = time.monotonic() + timeout if timeout is not None else float("inf")
         local = self._local
-        if not hasattr(local, "poller"):  # once per thread: a poll set of the socket's fd and a waker
+        if local.poller is None:  # once per thread: a poll set of the socket's fd and a waker
             local.wake_r, local.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             with self._calls_lock:
                 self._pipes += [local.wake_r, local.wake_w]
@@ -222,7 +229,7 @@ class DepotClient:
             call.future.set_exception(error)
         else:
             call.future.set_result(result)
-        waker = getattr(call.future, "_waker", None)
+        waker = call.future._waker
         if waker is not None and waker[0] != threading.get_ident():
             with contextlib.suppress(BlockingIOError, OSError):
                 os.write(waker[1], b"\0")

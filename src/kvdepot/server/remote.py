@@ -221,8 +221,19 @@ class RemoteEngine:
 
     def probe(self, keys: Sequence[ChunkKey], *, skip_tokens: int = 0, lease: AnyLease | None = None) -> Hit:
         """LOOKUP (leases the hit, starts its promotion), then QUERY_PREFETCH_STATUS for up to
-        ``prefetch_wait_s`` while lower tiers are staged. ``Hit(0, 0)`` on any failure."""
+        ``prefetch_wait_s`` while lower tiers are staged. ``Hit(0, 0)`` on any failure.
+
+        Protocol v1's LOOKUP always leases (request id 0 without a lease): that lease is
+        released at once, so nothing stays pinned (a promotion it started runs on as a prefetch)."""
         rid = _wire_lease(lease, 0)[1] if lease is not None else 0
+        if lease is None:
+            try:
+                return self._probe(keys, skip_tokens, rid)
+            finally:
+                self.release(rid)
+        return self._probe(keys, skip_tokens, rid)
+
+    def _probe(self, keys: Sequence[ChunkKey], skip_tokens: int, rid: int) -> Hit:
         try:
             status, _ = self.client.call(p.Lookup(rid, w.join_keys(keys), [], skip_tokens))
             deadline = time.monotonic() + self.prefetch_wait_s
