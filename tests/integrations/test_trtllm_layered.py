@@ -13,7 +13,7 @@ from test_trtllm_e2e import assert_same, engine, filler, prompt
 
 from kvdepot.engine import CacheEngine, LayeredLoad
 from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorWorker
-from kvdepot.integrations.tensorrt_llm.setup import current_engine, destroy_engine
+from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
 
 
 class RecordedLoad(LayeredLoad):

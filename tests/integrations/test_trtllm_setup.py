@@ -18,13 +18,13 @@ from kvdepot.integrations.tensorrt_llm import (
     adapter,
     mp_adapter,
 )
-from kvdepot.integrations.tensorrt_llm.setup import (
+from kvdepot.integrations.tensorrt_llm.providers import (
     InProcess,
-    Setup,
     ViaServer,
     current_engine,
     current_remote,
 )
+from kvdepot.integrations.tensorrt_llm.setup import Setup
 from kvdepot.runtime.llm_args import KvCacheConfig, TorchLlmArgs
 from kvdepot.server.paths import default_url
 from kvdepot.server.server import DepotServer

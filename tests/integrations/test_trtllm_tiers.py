@@ -17,7 +17,7 @@ import pytest
 from test_trtllm_e2e import LOOKUP, assert_same, engine, lookups, prompt  # noqa: I001
 
 from kvdepot.engine_api import Lease
-from kvdepot.integrations.tensorrt_llm.setup import current_engine, destroy_engine
+from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
 
 
 def test_restarted_process_prefetches_from_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -94,7 +94,7 @@ RUN = textwrap.dedent(
     """
     import json, logging, random, sys
     from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorScheduler, KvDepotConnectorWorker
-    from kvdepot.integrations.tensorrt_llm.setup import destroy_engine
+    from kvdepot.integrations.tensorrt_llm.providers import destroy_engine
     from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
     records = []
     class Keep(logging.Handler):
@@ -107,7 +107,7 @@ RUN = textwrap.dedent(
     eng = Engine("tiny", llm_args=args, connector=(KvDepotConnectorScheduler, KvDepotConnectorWorker), seed=0)
     result = eng.generate([a], 4)[0]
     if sys.argv[2] == "twice":  # prefetch mode: the first request promotes, the second hits
-        from kvdepot.integrations.tensorrt_llm.setup import current_engine
+        from kvdepot.integrations.tensorrt_llm.providers import current_engine
         current_engine().wait_promotions(timeout=60)
         eng.generate([[rng.randrange(512) for _ in range(765)]], 4)
         result = eng.generate([a], 4)[0]

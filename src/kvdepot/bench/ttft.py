@@ -77,7 +77,7 @@ def _engine(args: argparse.Namespace, max_tokens: int, connected: bool, server_u
 
 def _ready(server_url: str | None) -> None:
     """Wait until the connector's engine is usable: the arena pinned, or the server registration made."""
-    from kvdepot.integrations.tensorrt_llm.setup import current_engine, current_remote
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine, current_remote
 
     if server_url is None:
         current_engine().wait_arena()  # steady state: a serving engine has pinned its arena long ago
@@ -102,7 +102,7 @@ def _server_arena_allocated(stats) -> bool:
 
 
 def _teardown() -> None:
-    from kvdepot.integrations.tensorrt_llm.setup import destroy_engine
+    from kvdepot.integrations.tensorrt_llm.providers import destroy_engine
 
     destroy_engine()  # in either mode (and the server connections)
 
@@ -167,7 +167,7 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
             "partial/(suffix+load)": partial.ttft_s / (floor.ttft_s + n * kv_per_token / (h2d * 1e9)),
         })
     if server_url is None:
-        from kvdepot.integrations.tensorrt_llm.setup import current_engine
+        from kvdepot.integrations.tensorrt_llm.providers import current_engine
 
         stats = current_engine().stats()
         assert stats.live_leases == 0, stats
@@ -218,7 +218,7 @@ class _ConnectorClock:
 
 def _layered_loads(server_url: str | None) -> int:
     """Loads issued by layer so far: the in-process engine's count, or the server shards'."""
-    from kvdepot.integrations.tensorrt_llm.setup import current_engine, current_remote
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine, current_remote
 
     if server_url is None:
         return current_engine().stats().layered_loads
@@ -232,7 +232,7 @@ def _misses(args: argparse.Namespace) -> list[dict]:
     gives one ratio; the overheads are the medians of those ratios. Two engines run one after the
     other (the earlier design) differed by up to 15% in decode speed on the H200 between runs
     minutes apart: more than the 2% this is meant to resolve."""
-    from kvdepot.integrations.tensorrt_llm.setup import current_engine
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine
 
     _teardown()
     size = args.miss_length + args.decode_tokens + 64

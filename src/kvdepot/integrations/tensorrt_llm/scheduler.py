@@ -5,7 +5,7 @@
     build_connector_meta       -> KvDepotMetadata: deltas, this step's load, chunks computed after it
     request_finished           -> True while saves may still copy: TensorRT-LLM keeps the blocks
 
-The engine comes from the provider (``setup.py``): in-process, the ``CacheEngine`` the worker
+The engine comes from the provider (``providers.py``): in-process, the ``CacheEngine`` the worker
 registered; in server mode, the worker's ``RemoteEngine`` (LOOKUP + QUERY_PREFETCH_STATUS answer
 ``probe``, and every TP rank must hold a chunk for it to count). Either way the answer is "no hit"
 until the worker has registered. A hit in host memory loads synchronously; one still being

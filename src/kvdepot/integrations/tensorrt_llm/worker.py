@@ -6,7 +6,7 @@
     wait_for_save      -> notes the step's saves (enqueued at get_finished, after sampling)
     get_finished       -> saves enqueued; requests whose saves completed; parked loads done
 
-The engine is the provider's (``setup.py``): a ``CacheEngine`` copies here on its side streams,
+The engine is the provider's (``providers.py``): a ``CacheEngine`` copies here on its side streams,
 a ``RemoteEngine`` has ``kvdepot server`` copy (CUDA IPC, a shared file, or bytes over the socket).
 Both answer the same calls (``engine_api.Engine``); what the worker branches on is declared in
 ``engine.capabilities``.

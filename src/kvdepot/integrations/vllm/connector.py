@@ -20,7 +20,7 @@ Mode: with ``server_url`` set (extra config, ``KVDEPOT_SERVER_URL``, config file
 talk to ``kvdepot server``: the scheduler and the worker may live in different processes and
 several vLLM instances share one cache. Without it, in-process mode: the scheduler reads the
 engine the worker registered in its own process. Each half gets its engine from the provider
-``setup.py`` builds for the mode; modes and settings are described there.
+``setup.py`` builds for the mode (modes: ``providers.py``; settings: ``setup.py``).
 """
 
 from __future__ import annotations

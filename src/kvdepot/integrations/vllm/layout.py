@@ -8,7 +8,7 @@ rows). kvdepot never interprets those bytes: it only needs, per layer, the byte 
 block. ``block_view`` reads that span from the tensor's strides, for any layout in which a
 block's bytes are dense within a layer (LBHNC, LBNHC, BLHNC, …), and refuses the others.
 
-``PoolLayout.from_views`` and the engines (``setup.py``) take them from there. The views go to the core's transfer contract (``kvdepot.transfer.base``): block ``b`` of the
+``PoolLayout.from_views`` and the engines (``providers.py``) take them from there. The views go to the core's transfer contract (``kvdepot.transfer.base``): block ``b`` of the
 pool is ``views[0][b] ‖ views[1][b] ‖ …`` with one view per layer, sorted by layer name, so a
 chunk's bytes do not depend on allocation order. Keys, tiers and exactness are the core's:
 only the geometry in the namespace differs from TensorRT-LLM's, because the bytes differ.

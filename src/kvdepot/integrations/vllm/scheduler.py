@@ -10,7 +10,7 @@
 The deltas come from the step planner the TensorRT-LLM connector uses too (``integrations/planner.py``);
 this role only turns vLLM's scheduler output into its inputs and its deltas into vLLM items. Where
 the engine lives — the worker's ``CacheEngine`` in this process, or a lookups-only registration
-with ``kvdepot server`` — is the provider's (``setup.py``), as are the lease ids and when a
+with ``kvdepot server`` — is the provider's (``providers.py``), as are the lease ids and when a
 deployment cannot use kvdepot in that mode.
 """
 

@@ -9,7 +9,7 @@
     take_load_errors()        get_block_ids_with_load_errors: blocks a load could not fill
     handshake()               get_handshake_metadata: the views' geometry (server mode)
 
-The engine is the provider's (``setup.py``): the process's ``CacheEngine``, or a ``RemoteEngine``
+The engine is the provider's (``providers.py``): the process's ``CacheEngine``, or a ``RemoteEngine``
 whose blocks travel over the socket to ``kvdepot server``. Loads name the scheduler's lease (its
 server session is in the step's metadata). An engine that is not ready (the server went away
 after the scheduler's hit) loads nothing and reports the blocks as load errors: vLLM recomputes.
