@@ -53,9 +53,8 @@ def depot_config(llm_args: Any) -> DepotConfig:
 
 @dataclass(frozen=True)
 class Setup:
-    """What both halves know from construction on."""
+    """What both halves know from construction on (``llm_args`` is read here only)."""
 
-    llm_args: Any  # TorchLlmArgs (read here only)
     config: DepotConfig
     tokens_per_block: int
     tp_rank: int
@@ -72,7 +71,7 @@ class Setup:
         elif server is False:
             url = None
         rank, size = tp_rank_and_size(llm_args)
-        return cls(llm_args, config, int(llm_args.kv_cache_config.tokens_per_block), rank, size, url)
+        return cls(config, int(llm_args.kv_cache_config.tokens_per_block), rank, size, url)
 
     def provider(self) -> EngineProvider:
         return ViaServer(self) if self.server_url else InProcess(self)
