@@ -22,9 +22,12 @@ list holds its tokens ``[i*B, (i+1)*B)``):
         post: the lease pins nothing; idempotent, and harmless for a lease never taken.
     promotion_done(lease) -> bool
         post: True once the lower-tier part of the lease's hit is in host memory (or failed, or
-              never was): a load may then run without waiting for disk or Redis.
+              never was, or the engine cannot tell: a remote lease of another session): a load
+              may then run without waiting for disk or Redis.
     store(keys, block_ids, stream=None) -> PendingStore
-        pre:  ``block_ids`` distinct, in range, at least ``len(keys) * C / B`` of them.
+        pre:  ``block_ids`` distinct, in range, at least ``len(keys) * C / B`` of them
+              (``CacheEngine`` raises ``LayoutError`` otherwise; ``RemoteEngine`` stores the
+              chunks the blocks hold).
         post: every full chunk of ``keys`` not cached yet is copied out of ``pool[block_ids]``;
               the blocks may be reused once the handle is ``done()``. Stored chunks become
               visible to probes once their copy completed. Never raises for a full tier (it

@@ -259,7 +259,9 @@ class RemoteEngine:
 
     def promotion_done(self, lease: AnyLease) -> bool:
         """Whether the server has the lease's lower-tier hit in host memory. True where there is
-        nothing to wait for, and on any failure (the load that follows then answers short)."""
+        nothing to wait for, and on any failure (the load that follows then answers short).
+        QUERY_PREFETCH_STATUS names this session's lookups only: another session's lease (the
+        scheduler's, asked from a worker) answers True, and its load waits on the server."""
         try:
             status, _ = self.client.call(p.QueryPrefetch(_wire_lease(lease, 0)[1]))
         except KVDepotError:
