@@ -6,8 +6,9 @@
 
 The names TensorRT-LLM configurations already use: the connector's one scheduler and one worker
 (``scheduler.py``, ``worker.py``) with the mode pinned to server. The server URL comes from
-``kv_connector_config.server_url`` (TensorRT-LLM versions after 1.2 only), else
-``KVDEPOT_SERVER_URL`` (config key ``server_url``), else the per-user default socket.
+``KVDEPOT_SERVER_URL`` (or ``server_url`` in the config file), else the per-user default.
+TensorRT-LLM 1.2's config has only the three fields above and rejects any other; where a version's
+config has ``server_url`` (main), ``kv_connector_config.server_url`` wins.
 
 Scheduler (rank 0)                                  Worker (every rank)
   LOOKUP + QUERY_PREFETCH_STATUS: in host memory ->   register_kv_caches -> REGISTER its shard (CUDA
