@@ -29,7 +29,7 @@ from redis.retry import Retry
 from kvdepot.events.base import NULL_SINK, EventSink, Medium
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
-from kvdepot.storage.base import TierStats
+from kvdepot.storage.base import CopyInto, TierStats
 from kvdepot.storage.codec import Payload
 
 logger = logging.getLogger("kvdepot")
@@ -38,7 +38,7 @@ T = TypeVar("T")
 _OUTAGE = (redis.ConnectionError, redis.TimeoutError)
 
 
-class RedisTier:
+class RedisTier(CopyInto):
     """Chunk objects of one namespace in a Redis-protocol server."""
 
     name = "redis"
