@@ -54,6 +54,10 @@ class ServerAlreadyRunning(KVDepotError):
     """Another server already serves this URL."""
 
 
+class ServerFailed(KVDepotError):
+    """The server stopped serving on its own (its loop thread died)."""
+
+
 class DepotServer:
     """A kvdepot server: the host tier of every engine that connects, behind one socket."""
 
@@ -81,6 +85,7 @@ class DepotServer:
         self._pending_lock = threading.Lock()
         self._reaping = False
         self._stop_metrics: Any = None
+        self._failure = ""  # why the loop thread died, if it did
 
     # ---- life cycle ---------------------------------------------------------------------------
     def start(self) -> DepotServer:
@@ -187,8 +192,9 @@ class DepotServer:
                 ready()
             while not stop.wait(0.2):
                 if self._thread is None or not self._thread.is_alive():
-                    logger.error("kvdepot server loop ended unexpectedly")
-                    break
+                    # Not a clean stop: the caller (``kvdepot server``) must exit non-zero, so a
+                    # supervisor restarts the server rather than take it for a normal shutdown.
+                    raise ServerFailed(f"the server's loop thread died ({self._failure or 'no error recorded'})")
         finally:
             self.stop()
             for sig, handler in previous.items():
@@ -202,6 +208,13 @@ class DepotServer:
 
     # ---- the loop: reads every request, answers the cheap ones -------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # the loop's boundary: record why, so serve_forever fails loudly
+            self._failure = f"{type(exc).__name__}: {exc}"
+            logger.critical("kvdepot server: the loop thread died", exc_info=True)
+
+    def _serve(self) -> None:
         assert self._router is not None
         poller = select.poll()
         poller.register(self._router.getsockopt(zmq.FD), select.POLLIN)
@@ -238,25 +251,38 @@ class DepotServer:
                     continue
             peer, body = frames[0], frames[1:]
             try:
-                header, spec, msg, payloads = w.parse_request(body)
-            except p.ProtocolError as exc:
-                self._send(peer, w.error_frames(exc.req_id, exc.code, exc.message), check=False)
-                continue
-            reply = self.service.try_inline(peer, header.req_id, spec, msg, payloads)
-            if reply is not None:
-                self._send(peer, reply, check=False)
-                continue
-            with self._pending_lock:
-                busy = self._pending >= self.max_pending
-                if not busy:
-                    self._pending += 1
-            if not busy:
-                if self._submit(self._work, peer, header.req_id, spec, msg, payloads):
-                    continue
-                with self._pending_lock:
-                    self._pending -= 1
-            self._send(peer, w.error_frames(header.req_id, p.ErrorCode.BUSY, "server busy; retry later"), check=False)
+                self._take(peer, body)
+            except Exception as exc:  # a per-request failure of any kind (MemoryError too): answer it
+                logger.error("kvdepot server: a request from %r failed on the loop thread", peer, exc_info=True)
+                self._send(peer, w.error_frames(0, p.ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}"),
+                           check=False)
         return True
+
+    def _take(self, peer: bytes, body: list[p.Buffer]) -> None:
+        """One request: sizes checked, then answered here if its op's mode allows and it can
+        finish now, else handed to the pool (a body over its op's ``inline_body`` is decoded there)."""
+        try:
+            header, spec = w.parse_header(body)
+            msg = None
+            if spec.mode is not p.Exec.POOL and len(body[1]) <= spec.inline_body:
+                msg = w.decode_body(header, spec, body[1])
+                reply = self.service.try_inline(peer, header.req_id, spec, msg, body[2:])
+                if reply is not None:
+                    self._send(peer, reply, check=False)
+                    return
+        except p.ProtocolError as exc:
+            self._send(peer, w.error_frames(exc.req_id, exc.code, exc.message), check=False)
+            return
+        with self._pending_lock:
+            busy = self._pending >= self.max_pending
+            if not busy:
+                self._pending += 1
+        if not busy:
+            if self._submit(self._work, peer, header.req_id, spec, msg, body[1], body[2:]):
+                return
+            with self._pending_lock:
+                self._pending -= 1
+        self._send(peer, w.error_frames(header.req_id, p.ErrorCode.BUSY, "server busy; retry later"), check=False)
 
     def _submit(self, fn: Any, *args: Any) -> bool:
         try:
@@ -266,9 +292,13 @@ class DepotServer:
         except RuntimeError:  # shutting down
             return False
 
-    def _work(self, peer: bytes, req_id: int, spec: p.OpSpec, msg: Any, payloads: list[p.Buffer]) -> None:
+    def _work(self, peer: bytes, req_id: int, spec: p.OpSpec, msg: Any, body: p.Buffer,
+              payloads: list[p.Buffer]) -> None:
         try:
-            frames = self.service.dispatch(peer, req_id, spec, msg, payloads)
+            if msg is None:  # not decoded yet: a POOL op, or a body too large for the loop thread
+                frames = self.service.decode_and_dispatch(peer, req_id, spec, body, payloads)
+            else:
+                frames = self.service.dispatch(peer, req_id, spec, msg, payloads)
         finally:
             with self._pending_lock:
                 self._pending -= 1

@@ -4,10 +4,12 @@ Transport-free: ``handle(peer, frames)`` takes a request's frames and returns th
 the ZMQ loop (``server.py``) and tests drive the same code. Every failure becomes an error
 reply with a code and a message; nothing a client sends can take the service down.
 
-``try_inline`` answers on the caller's (the loop's) thread what cannot block: the operations the
-protocol declares inline (PING, QUERY_PREFETCH_STATUS), and LOOKUP (by keys, at most
-``INLINE_KEYS``) and RELEASE when every engine involved has no lower tier (disk/Redis lookups
-may wait on I/O) and its lock is free right now; anything else is left for the pool (None).
+Each operation's handler is bound once, at construction (``protocol.bind``), and where it runs
+is the protocol's word (``OpSpec.mode``): ``try_inline`` answers on the caller's (the loop's)
+thread the INLINE operations (PING, QUERY_PREFETCH_STATUS) and tries the TRY_INLINE ones with
+``wait=False`` — LOOKUP (by keys, at most ``protocol.INLINE_KEYS``) and RELEASE finish there when
+every engine involved has no lower tier (disk/Redis lookups may wait on I/O) and its lock is
+free right now; anything else is left for the pool (None).
 """
 
 from __future__ import annotations
@@ -46,9 +48,6 @@ from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
 
-MAX_CHUNKS = 1 << 20  # keys in one message (a 256M-token prompt at chunk 256)
-INLINE_KEYS = 2048  # a longer LOOKUP runs on the pool: the loop thread serves everyone
-MAX_BLOCKS = 1 << 22
 _LIMITS = {"tp_size": 4096, "num_blocks": 1 << 31, "num_layers": 4096, "block_elems": 1 << 31,
            "tokens_per_block": 1 << 20, "bytes_per_block": 1 << 36}
 
@@ -67,38 +66,52 @@ class DepotService:
         self._sessions: dict[bytes, Session] = {}
         self._groups: dict[tuple[str, str], Group] = {}
         self._sids = itertools.count(1)
+        self._handlers = p.bind(self)  # every operation's handler, looked up once
 
     # ---- dispatch -----------------------------------------------------------------------------
     def handle(self, peer: bytes, frames: Sequence[p.Buffer]) -> list[p.Buffer]:
         """Reply frames for one request's frames; never raises."""
         try:
-            header, spec, msg, payloads = w.parse_request(frames)
+            header, spec = w.parse_header(frames)
         except ProtocolError as exc:
             return w.error_frames(exc.req_id, exc.code, exc.message)
-        return self.dispatch(peer, header.req_id, spec, msg, payloads)
+        return self.decode_and_dispatch(peer, header.req_id, spec, frames[1], frames[2:])
+
+    def decode_and_dispatch(self, peer: bytes, req_id: int, spec: p.OpSpec, body: p.Buffer,
+                            payloads: p.Payloads) -> list[p.Buffer]:
+        """Decode a body ``wire.parse_header`` has bounded, then run it (on the pool: a large body
+        is decoded here, never on the loop thread); every failure becomes an error reply."""
+        try:
+            msg = w.decode_body(p.RequestHeader(spec.op, req_id), spec, body)
+        except ProtocolError as exc:
+            return w.error_frames(req_id, exc.code, exc.message)
+        except Exception as exc:  # the server boundary (MemoryError included): answer, keep serving
+            return _internal(req_id, exc)
+        return self.dispatch(peer, req_id, spec, msg, payloads)
 
     def dispatch(self, peer: bytes, req_id: int, spec: p.OpSpec, msg: msgspec.Struct,
                  payloads: p.Payloads) -> list[p.Buffer]:
         """Run one parsed request's handler; every failure becomes an error reply."""
-        return self._run(getattr(self, spec.handler), peer, req_id, msg, payloads)
+        return self._run(self._handlers[spec.op].run, peer, req_id, msg, payloads)
 
     def try_inline(self, peer: bytes, req_id: int, spec: p.OpSpec, msg: msgspec.Struct,
                    payloads: p.Payloads) -> list[p.Buffer] | None:
-        """The reply frames if the request can be answered now without blocking, else None."""
-        name = spec.handler if spec.inline else _NOW.get(spec.handler)
-        if name is None:
+        """The reply frames if the operation's mode lets it run on this (the loop's) thread and it
+        can finish now without waiting; else None, and nothing was done."""
+        now = self._handlers[spec.op].now
+        if now is None:
             return None
         try:
-            return self._run(getattr(self, name), peer, req_id, msg, payloads)
-        except _WouldBlock:
+            return self._run(now, peer, req_id, msg, payloads)
+        except p.WouldBlock:
             return None
 
-    def _run(self, handler: Any, peer: bytes, req_id: int, msg: msgspec.Struct,
+    def _run(self, handler: p.Handler, peer: bytes, req_id: int, msg: msgspec.Struct,
              payloads: p.Payloads) -> list[p.Buffer]:
         try:
             reply, out = handler(peer, msg, payloads)
             return w.reply_frames(req_id, reply, out)
-        except _WouldBlock:
+        except p.WouldBlock:
             raise
         except ProtocolError as exc:
             return w.error_frames(req_id, exc.code, exc.message)
@@ -106,9 +119,8 @@ class DepotService:
             return w.error_frames(req_id, ErrorCode.BAD_REQUEST, str(exc))
         except IpcError as exc:
             return w.error_frames(req_id, ErrorCode.UNSUPPORTED, str(exc))
-        except Exception as exc:  # the server boundary: log, answer, keep serving
-            logger.exception("kvdepot server: request %d failed", req_id)
-            return w.error_frames(req_id, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # the server boundary (MemoryError included): log, answer, keep serving
+            return _internal(req_id, exc)
 
     def _session(self, peer: bytes) -> Session:
         with self._lock:
@@ -197,18 +209,18 @@ class DepotService:
         return group
 
     # ---- lookups ------------------------------------------------------------------------------
-    def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads, *, now: bool = False) -> p.Reply:
-        if now and (msg.tokens or len(msg.keys) > INLINE_KEYS * KEY_BYTES):
-            raise _WouldBlock  # hashing tokens, or a very long prompt: not on the loop thread
+    def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads, *, wait: bool = True) -> p.Reply:
+        if not wait and (msg.tokens or len(msg.keys) > p.INLINE_KEYS * KEY_BYTES):
+            raise p.WouldBlock  # hashing tokens, or a very long prompt: not on the loop thread
         session = self._session(peer)
         reg = session.registration()
-        if len(msg.keys) > MAX_CHUNKS * KEY_BYTES or len(msg.tokens) > MAX_CHUNKS * 16 or msg.skip_tokens < 0:
+        if len(msg.keys) > p.MAX_KEYS * KEY_BYTES or len(msg.tokens) > p.MAX_TOKENS or msg.skip_tokens < 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "LOOKUP: too many keys/tokens or a negative skip")
         keys = w.split_keys(msg.keys) if msg.keys else reg.group.hasher.chunk_keys(msg.tokens)
         lease = session.lease(msg.request_id)
-        hit = reg.group.try_probe(keys, msg.skip_tokens, lease) if now else reg.group.probe(keys, msg.skip_tokens, lease)
+        hit = reg.group.probe(keys, msg.skip_tokens, lease) if wait else reg.group.try_probe(keys, msg.skip_tokens, lease)
         if hit is None:
-            raise _WouldBlock
+            raise p.WouldBlock
         matched, ready = hit
         # Chunks found only in disk/Redis are being promoted into host memory: pending until then.
         status = p.PrefetchStatus(ready >= matched, matched, ready)
@@ -221,20 +233,16 @@ class DepotService:
     def query_prefetch_status(self, peer: bytes, msg: p.QueryPrefetch, payloads: p.Payloads) -> p.Reply:
         return self._session(peer).get_prefetch(msg.request_id), []
 
-    def release(self, peer: bytes, msg: p.Release, payloads: p.Payloads) -> p.Reply:
-        self._session(peer).drop_prefetch(msg.request_id)
-        return p.Empty(), []
-
-    def release_now(self, peer: bytes, msg: p.Release, payloads: p.Payloads) -> p.Reply:
-        if not self._session(peer).drop_prefetch(msg.request_id, now=True):
-            raise _WouldBlock
+    def release(self, peer: bytes, msg: p.Release, payloads: p.Payloads, *, wait: bool = True) -> p.Reply:
+        if not self._session(peer).drop_prefetch(msg.request_id, wait=wait):
+            raise p.WouldBlock
         return p.Empty(), []
 
     # ---- copies -------------------------------------------------------------------------------
     @staticmethod
     def _check_copy(keys: bytes, block_ids: list[int]) -> list[bytes]:
-        if not 0 < len(block_ids) <= MAX_BLOCKS or len(keys) > MAX_CHUNKS * KEY_BYTES:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"1..{MAX_BLOCKS} blocks and at most {MAX_CHUNKS} keys per copy")
+        if not 0 < len(block_ids) <= p.MAX_BLOCKS or len(keys) > p.MAX_KEYS * KEY_BYTES:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"1..{p.MAX_BLOCKS} blocks and at most {p.MAX_KEYS} keys per copy")
         return w.split_keys(keys)
 
     def _payload_pool(self, reg: Registration, rows: int, payload: p.Buffer | None) -> torch.Tensor:
@@ -346,11 +354,9 @@ class DepotService:
                             len(sessions), mappings, prefetches, shards)
 
 
-class _WouldBlock(Exception):  # a signal between try_inline and its handlers, not an error
-    """The operation cannot finish without waiting: run it on the pool instead."""
-
-
-_NOW = {"lookup": "lookup_now", "release": "release_now"}  # non-blocking variants, for try_inline
+def _internal(req_id: int, exc: Exception) -> list[p.Buffer]:
+    logger.error("kvdepot server: request %d failed", req_id, exc_info=exc)
+    return w.error_frames(req_id, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def _figures(stats: object) -> dict[str, float]:

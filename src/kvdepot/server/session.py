@@ -114,17 +114,16 @@ class Session:
             entry.status = PrefetchStatus(True, ready, ready)
         return entry.status
 
-    def drop_prefetch(self, request_id: int, *, now: bool = False) -> bool:
-        """Drop a lookup's state and leases; with ``now``, only if no engine lock must be waited
-        for (False, and nothing dropped, otherwise)."""
+    def drop_prefetch(self, request_id: int, *, wait: bool = True) -> bool:
+        """Drop a lookup's state and leases; without ``wait``, only if no engine lock must be
+        waited for (False, and nothing dropped, otherwise)."""
         reg = self.reg
         if reg is not None:
             lease = self.lease(request_id)
-            if now:
-                if not reg.group.try_release(lease):
-                    return False
-            else:
+            if wait:
                 reg.group.release(lease)
+            elif not reg.group.try_release(lease):
+                return False
         with self._cond:
             self.prefetch.pop(request_id, None)
         return True
