@@ -34,6 +34,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -44,7 +45,7 @@ from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
 from kvdepot.server.client import readable, recv_frames, send_frames
 from kvdepot.server.metrics import start_metrics
-from kvdepot.server.paths import check_url, default_url, ipc_path
+from kvdepot.server.paths import check_socket, check_url, default_url, ipc_path, open_private
 from kvdepot.server.service import DepotService
 
 logger = logging.getLogger("kvdepot")
@@ -75,7 +76,7 @@ class DepotServer:
         self.reap_interval_s = reap_interval_s or max(0.05, min(1.0, session_timeout_s / 4))
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
-        self._lock_file: Any = None
+        self._lock_file: int | None = None  # fd of <socket>.lock, flocked
         self._pool: ThreadPoolExecutor | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -110,12 +111,12 @@ class DepotServer:
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()  # stale: we hold the lock, so no live server uses it
-                old_umask = os.umask(0o177)
+                old_umask = os.umask(0o177)  # the socket is born 0600: no chmod (which follows symlinks)
                 try:
                     router.bind(self.url)
                 finally:
                     os.umask(old_umask)
-                os.chmod(path, 0o600)
+                check_socket(path)
             else:
                 router.bind(self.url)
         except zmq.ZMQError as exc:
@@ -125,29 +126,30 @@ class DepotServer:
                 raise ServerAlreadyRunning(f"{self.url} is already in use (another kvdepot server?); "
                                            "stop it or pass another --url") from None
             raise KVDepotError(f"cannot listen on {self.url}: {exc}") from None
+        except KVDepotError:  # the bound socket is not private: never serve on it
+            router.close(0)
+            self._release()
+            raise
         self._router = router
 
     def _take_lock(self, path: Any) -> None:
         if not path.parent.is_dir():
             raise KVDepotError(f"directory {path.parent} of {self.url} does not exist")
-        lock = open(f"{path}.lock", "a+")  # noqa: SIM115 - held for the server's life
+        fd = open_private(Path(f"{path}.lock"))  # never through a symlink: the pid overwrites it
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            lock.seek(0)
-            owner = lock.read().strip() or "?"
-            lock.close()
+            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
             raise ServerAlreadyRunning(f"a kvdepot server (pid {owner}) is already serving {self.url}; "
                                        "stop it first, or start this one with another --url") from None
-        lock.seek(0)
-        lock.truncate()
-        lock.write(str(os.getpid()))
-        lock.flush()
-        self._lock_file = lock
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_file = fd
 
     def _release(self) -> None:
         if self._lock_file is not None:
-            self._lock_file.close()  # closing drops the flock
+            os.close(self._lock_file)  # closing drops the flock
             self._lock_file = None
         if self._ctx is not None:
             self._ctx.term()
@@ -253,7 +255,7 @@ class DepotServer:
             try:
                 self._take(peer, body)
             except Exception as exc:  # a per-request failure of any kind (MemoryError too): answer it
-                logger.error("kvdepot server: a request from %r failed on the loop thread", peer, exc_info=True)
+                logger.exception("kvdepot server: a request from %r failed on the loop thread", peer)
                 self._send(peer, w.error_frames(0, p.ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}"),
                            check=False)
         return True
