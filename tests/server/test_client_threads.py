@@ -126,7 +126,8 @@ def test_lookup_and_release_run_inline_only_when_they_cannot_block(workdir):
     engine = group.shards[0].engine
     try:
         reply = _inline(service, peer, p.Op.LOOKUP, p.Lookup(1, w.join_keys(keys)))
-        assert w.decode(reply[1], p.PrefetchStatus) == p.PrefetchStatus(True, 5 * 16, 5 * 16)
+        token = service._sessions[peer].token  # every LOOKUP reply carries the session's lease token
+        assert w.decode(reply[1], p.PrefetchStatus) == p.PrefetchStatus(True, 5 * 16, 5 * 16, token)
         assert engine.host.live_leases == 1
         assert _inline(service, peer, p.Op.LOOKUP, p.Lookup(2, b"", prompt(4))) is None  # hashing: pool
         holder_in, holder_out = threading.Event(), threading.Event()

@@ -182,6 +182,7 @@ class PrefetchStatus(msgspec.Struct, **_HOT):
     done: bool  # False: lower tiers are still being staged into host memory
     matched_tokens: int  # end of the hit, in tokens from 0, on every TP rank
     ready_tokens: int  # of which already in host memory
+    lease_token: bytes = b""  # LOOKUP: the session's secret; a RETRIEVE naming its leases from another session carries it
 
 
 class Store(msgspec.Struct, **_HOT):
@@ -205,6 +206,7 @@ class Retrieve(msgspec.Struct, **_HOT):
     deadline_ns: int = 0
     synced: bool = False
     by_layer: bool = False  # copy layer by layer and record the pool's layer events (CUDA IPC pools)
+    lease_token: bytes = b""  # lease_session's token (its LOOKUP replies carry it); needed unless it is this session
 
 
 class RetrieveReply(msgspec.Struct, **_HOT):

@@ -7,6 +7,8 @@
       probe(keys=, skip_tokens=, lease=rid) -> Hit      LOOKUP (+ QUERY_PREFETCH_STATUS polling)
       lookup(...) -> int                    probe(...).tokens
       release(rid)                          fire-and-forget RELEASE
+      lease_token                           the secret this session's LOOKUP replies carry
+      handover(rid) -> (session, rid, token)  a lease another process's retrieve(lease=) may name
       store(None, block_ids, keys=, stream=) -> handle (.done(), .wait(), .chunks)
       retrieve(None, block_ids, keys=, skip_blocks=, num_blocks=, lease=, stream=) -> int
       retrieve_async(...) -> handle (.done(), .result())
@@ -128,6 +130,7 @@ class RemoteEngine:
         self.layout: PoolLayout | None = None
         self.hasher: ChunkHasher | None = None
         self.granted: p.RegisterReply | None = None
+        self.lease_token = b""  # the server's token for this session's leases (from the last LOOKUP)
         client.on_connect(self._register)
 
     @classmethod
@@ -201,6 +204,7 @@ class RemoteEngine:
         keys = keys if keys is not None else self.chunk_keys(tokens or [])
         try:
             status, _ = self.client.call(p.Lookup(rid, w.join_keys(keys), [], skip_tokens))
+            self.lease_token = status.lease_token or self.lease_token  # type: ignore[attr-defined]
             deadline = time.monotonic() + self.prefetch_wait_s
             while not status.done and time.monotonic() < deadline:  # type: ignore[attr-defined]
                 time.sleep(0.0005)
@@ -217,6 +221,11 @@ class RemoteEngine:
                skip_tokens: int = 0, lease: Hashable = None) -> int:
         """End (tokens from 0) of the run every rank holds; 0 on any failure."""
         return self.probe(tokens, keys=keys, skip_tokens=skip_tokens, lease=lease).tokens
+
+    def handover(self, rid: int) -> tuple[int, int, bytes]:
+        """The lease of request ``rid`` as another session (a worker process) names it in
+        ``retrieve(lease=...)``: without this session's token the server refuses the load."""
+        return (self.client.session_id, rid, self.lease_token)
 
     def release(self, lease: Hashable) -> None:
         rid = int(lease)  # type: ignore[call-overload]
@@ -259,11 +268,13 @@ class RemoteEngine:
         fallback = skip_blocks * self.tokens_per_block
         if not self.ready:
             return _Handle(None, fallback=fallback)
-        session, rid = lease if isinstance(lease, tuple) else (self.client.session_id, lease)
+        # a lease: this session's request id, or (session, request id[, token]) of another session's
+        session, rid, *token = lease if isinstance(lease, tuple) else (self.client.session_id, lease)
         ids = list(block_ids)
         by_layer = by_layer and self.exported.layered
         msg = p.Retrieve(w.join_keys(keys), ids, skip_blocks, num_blocks, session if rid is not None else 0,
-                         None if rid is None else int(rid), self._deadline(), self.exported.before_copy(stream), by_layer)
+                         None if rid is None else int(rid), self._deadline(), self.exported.before_copy(stream), by_layer,
+                         token[0] if token else b"")
         bulk = len(ids) * self._base.bytes_per_block if self.exported.kind == "bytes" else 0
         handle = _Handle(self.client.submit(msg, timeout=self._bulk_timeout(bulk)), fallback=fallback)
 

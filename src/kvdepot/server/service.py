@@ -225,7 +225,7 @@ class DepotService:
         # Chunks found only in disk/Redis are being promoted into host memory: pending until then.
         status = p.PrefetchStatus(ready >= matched, matched, ready)
         session.put_prefetch(msg.request_id, status, self.config.lease_timeout_s)
-        return status, []
+        return p.PrefetchStatus(status.done, matched, ready, session.token), []
 
     def lookup_now(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads) -> p.Reply:
         return self.lookup(peer, msg, payloads, now=True)
@@ -285,7 +285,7 @@ class DepotService:
             keys = self._check_copy(msg.keys, msg.block_ids)
             if msg.skip_blocks < 0 or (msg.num_blocks is not None and msg.num_blocks < 0):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"skip_blocks {msg.skip_blocks} / num_blocks {msg.num_blocks} < 0")
-            lease = ("lease", msg.lease_session, msg.request_id) if msg.request_id is not None else None
+            lease = self._lease(session, msg)
             B = reg.layout.tokens_per_block
             if reg.pool.tensor is None:
                 reg.layout.check_block_ids(msg.block_ids)
@@ -313,6 +313,19 @@ class DepotService:
             return p.RetrieveReply(end, max(0, end // B - msg.skip_blocks), bool(layered)), []
         finally:
             session.end_op()
+
+    def _lease(self, session: Session, msg: p.Retrieve) -> tuple[str, int, int] | None:
+        """The lease a RETRIEVE names: this session's, or another's whose token it carries."""
+        if msg.request_id is None:
+            return None
+        owner = msg.lease_session or session.sid
+        if owner != session.sid:
+            with self._lock:
+                other = next((s for s in self._sessions.values() if s.sid == owner), None)
+            if other is None or not other.grants(msg.lease_token):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"RETRIEVE names a lease of session {owner} without "
+                                    "that session's token (pass the lease_token its LOOKUP returned)")
+        return ("lease", owner, msg.request_id)
 
     # ---- upkeep and figures ----------------------------------------------------------------------
     def reap(self) -> None:

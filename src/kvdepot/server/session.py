@@ -1,5 +1,9 @@
 """One client's state on the server: its registration, mapped pool, lookups, and in-flight copies.
 
+A session's leases are its own: another session may name them (a vLLM worker loads under its
+scheduler's lease) only with the session's ``token``, a random secret its LOOKUP replies carry —
+session ids are sequential and guessable, the token is not.
+
 A session starts with HELLO and ends with END_SESSION, a new HELLO from the same peer, or
 ``session_timeout_s`` without any message (a client killed with -9 sends nothing, so its
 heartbeats stop). Closing a session releases its leases and prefetch entries, waits for its
@@ -9,7 +13,9 @@ handle, shared file) — in that order, so no copy ever touches unmapped memory.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +53,7 @@ class Session:
         self.reg: Registration | None = None
         self.prefetch: dict[int, Prefetch] = {}
         self.closed = False
+        self.token = secrets.token_bytes(16)  # who holds it may use this session's leases
         self._ops = 0
         self._cond = threading.Condition()
 
@@ -55,6 +62,10 @@ class Session:
 
     def lease(self, request_id: int) -> tuple[str, int, int]:
         return ("lease", self.sid, request_id)
+
+    def grants(self, token: bytes) -> bool:
+        """Whether ``token`` is this session's (constant time: no byte-by-byte guessing)."""
+        return not self.closed and hmac.compare_digest(token, self.token)
 
     # ---- data operations --------------------------------------------------------------------
     def begin_op(self) -> Registration:

@@ -106,6 +106,7 @@ class KvDepotMPMetadata(KvDepotMetadata):
     """The in-process metadata plus the server session that holds the scheduler's leases."""
 
     lease_session: int = 0
+    lease_token: bytes = b""  # that session's token: the server refuses other ranks' loads without it
 
 
 class KvDepotMPConnectorScheduler(KvDepotConnectorScheduler):
@@ -122,8 +123,8 @@ class KvDepotMPConnectorScheduler(KvDepotConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvDepotMPMetadata:
         base = super().build_connector_meta(scheduler_output)
         engine: RemoteEngine | None = self._engine  # type: ignore[assignment]
-        session = engine.client.session_id if engine is not None else 0
-        return KvDepotMPMetadata(requests=base.requests, finished=base.finished, lease_session=session)
+        session, token = (engine.client.session_id, engine.lease_token) if engine is not None else (0, b"")
+        return KvDepotMPMetadata(requests=base.requests, finished=base.finished, lease_session=session, lease_token=token)
 
 
 class KvDepotMPConnectorWorker(KvDepotConnectorWorker):
@@ -147,7 +148,7 @@ class KvDepotMPConnectorWorker(KvDepotConnectorWorker):
     def _send_load(self, item: RequestMeta, state: _WorkerRequest, stream: Any, *,
                    by_layer: bool = False) -> tuple[Any, int]:
         engine: RemoteEngine = self._engine  # type: ignore[assignment]
-        lease = (getattr(self._metadata, "lease_session", 0), item.request_id)
+        lease = (getattr(self._metadata, "lease_session", 0), item.request_id, getattr(self._metadata, "lease_token", b""))
         handle = engine.retrieve_async(
             None, state.block_ids, keys=state.keys, skip_blocks=item.load_skip_blocks,
             num_blocks=item.load_num_blocks, lease=lease, stream=stream, by_layer=by_layer,

@@ -13,7 +13,7 @@ Worker (vLLM's worker process)                       Scheduler (vLLM's engine-co
     socket: the server cannot map vLLM's tensors)      get_num_new_matched_tokens -> LOOKUP, leased
   get_handshake_metadata -> that geometry                under this session and the request's id
   start_load_kv -> RETRIEVE naming the scheduler's     request_finished -> RELEASE
-    lease (session id in the step's metadata)
+    lease (session id + token in the step's metadata)
   wait_for_save -> STORE; get_finished after replies
 
 The geometry reaches the scheduler through vLLM's handshake metadata, collected from every
@@ -118,6 +118,7 @@ class RemoteScheduler(Scheduler):
     def build_meta(self, scheduler_output: Any) -> KvDepotVllmMetadata:
         meta = super().build_meta(scheduler_output)
         meta.lease_session = self._client.session_id if self._client is not None else 0
+        meta.lease_token = self._remote.lease_token if self._remote is not None else b""
         return meta
 
     def shutdown(self) -> None:
@@ -133,7 +134,7 @@ class RemoteWorker(Worker):
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)
         self._client: DepotClient | None = None
-        self._lease_session = 0
+        self._lease_session, self._lease_token = 0, b""
         self._tp = (0, 1)
 
     def _attach(self, views: list[Any], layout: PoolLayout) -> RemoteEngine:
@@ -151,7 +152,7 @@ class RemoteWorker(Worker):
         return KvDepotHandshake(self._layout, *self._tp) if self._layout is not None else None
 
     def _lease(self, rid: str) -> Hashable:
-        return (self._lease_session, lease_id(rid))
+        return (self._lease_session, lease_id(rid), self._lease_token)
 
     def _release(self, rid: str) -> None:
         """The lease is the scheduler's (another session): its request_finished releases it."""
@@ -164,7 +165,7 @@ class RemoteWorker(Worker):
         return {} if reply is None else {s.group: s.figures for s in reply.shards} | {"sessions": reply.sessions}
 
     def start_load(self, meta: KvDepotVllmMetadata) -> None:
-        self._lease_session = meta.lease_session
+        self._lease_session, self._lease_token = meta.lease_session, meta.lease_token
         super().start_load(meta)
 
     def _load(self, item: VllmRequestMeta, state: WorkerRequest) -> None:
