@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
 
 import msgspec
 import torch
@@ -30,26 +29,15 @@ import torch
 from kvdepot.config import DepotConfig
 from kvdepot.errors import ConfigError, LayoutError
 from kvdepot.keys import KEY_BYTES
-from kvdepot.layout import PoolLayout
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
-from kvdepot.server.ipc import (
-    MAX_LAYER_EVENTS,
-    IpcError,
-    device_by_uuid,
-    frame_tensor,
-    open_pool,
-    torch_dtype,
-)
+from kvdepot.server.ipc import IpcError, frame_tensor
 from kvdepot.server.protocol import ErrorCode, ProtocolError
+from kvdepot.server.registry import Registry
 from kvdepot.server.session import Registration, Session
-from kvdepot.server.shard import Group
 from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
-
-_LIMITS = {"tp_size": 4096, "num_blocks": 1 << 31, "num_layers": 4096, "block_elems": 1 << 31,
-           "tokens_per_block": 1 << 20, "bytes_per_block": 1 << 36}
 
 
 class DepotService:
@@ -64,7 +52,7 @@ class DepotService:
         self.started = time.monotonic()
         self._lock = threading.Lock()  # the tables below; held only for dict operations
         self._sessions: dict[bytes, Session] = {}
-        self._groups: dict[tuple[str, str], Group] = {}
+        self.registry = Registry(config, allow_shm=self.allow_shm)  # model groups, the host budget
         self._sids = itertools.count(1)
         self._handlers = p.bind(self)  # every operation's handler, looked up once
 
@@ -143,7 +131,7 @@ class DepotService:
             old = self._sessions.get(peer)
             self._sessions[peer] = session
         if old is not None:
-            old.close()
+            self._close(old)
         logger.info("kvdepot server: %s opened", session)
         return p.HelloReply(p.PROTOCOL_VERSION, session.sid, self.server_id, os.getpid()), []
 
@@ -152,11 +140,16 @@ class DepotService:
         self._drop(session)
         return p.Empty(), []
 
-    def _drop(self, session: Session) -> None:
+    def _drop(self, session: Session, *, reaped: bool = False) -> None:
         with self._lock:
             if self._sessions.get(session.peer) is session:
                 del self._sessions[session.peer]
-        session.close()
+        self._close(session, reaped=reaped)
+
+    def _close(self, session: Session, drain_s: float = 30.0, *, reaped: bool = False) -> None:
+        reg = session.close(drain_s, reaped=reaped)
+        if reg is not None:
+            self.registry.leave(reg)
 
     def ping(self, peer: bytes, msg: p.Ping, payloads: p.Payloads) -> p.Reply:
         self._session(peer)
@@ -164,49 +157,7 @@ class DepotService:
 
     # ---- registration -----------------------------------------------------------------------
     def register(self, peer: bytes, msg: p.Register, payloads: p.Payloads) -> p.Reply:
-        session = self._session(peer)
-        for name, limit in _LIMITS.items():
-            if not 0 < getattr(msg, name) <= limit:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: {name}={getattr(msg, name)} not in 1..{limit}")
-        if not 0 <= msg.tp_rank < msg.tp_size or len(msg.model_id) > 1024 or len(msg.cache_salt) > 1024:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: tp_rank {msg.tp_rank} / tp_size {msg.tp_size} or ids invalid")
-        try:
-            dtype = torch_dtype(msg.dtype)
-        except IpcError as exc:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
-        try:
-            layout = PoolLayout(msg.num_blocks, msg.num_layers, msg.kv_factor, msg.block_elems, dtype,
-                                msg.tokens_per_block, self.config.chunk_size)
-        except LayoutError as exc:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: {exc} (the server's chunk_size is "
-                                f"{self.config.chunk_size}; start it with --chunk-size to change it)") from None
-        if layout.bytes_per_block != msg.bytes_per_block:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: bytes_per_block {msg.bytes_per_block} != "
-                                f"{layout.bytes_per_block} computed from the geometry")
-        layer_events = len(getattr(msg.pool, "layer_events", ()))
-        if layer_events not in (0, layout.num_layers) or layer_events > MAX_LAYER_EVENTS:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: {layer_events} layer events for {layout.num_layers} "
-                                f"layers (none, or one per layer up to {MAX_LAYER_EVENTS})")
-        group = self._group(msg, layout)
-        shard = group.shard(msg.tp_rank, layout, _cuda_index(msg.pool))
-        shape = (layout.num_blocks, layout.num_layers, layout.kv_factor, layout.block_elems)
-        pool = open_pool(msg.pool, shape, dtype, allow_shm=self.allow_shm)
-        session.install(Registration(group, shard, layout, pool), self.session_timeout_s)
-        logger.info("kvdepot server: %s registered rank %d/%d of %s (%s pool, %d blocks of %d B)", session,
-                    msg.tp_rank, msg.tp_size, group.name, pool.kind, layout.num_blocks, layout.bytes_per_block)
-        host_blocks = shard.engine.host.num_slots * layout.blocks_per_chunk
-        disk_blocks = int(group.config.disk_capacity_gb * 1e9) // layout.bytes_per_block if group.config.disk_path else 0
-        return p.RegisterReply(self.config.chunk_size, self.config.hash_algo, host_blocks, disk_blocks,
-                               group.hasher.seed, group.name), []
-
-    def _group(self, msg: p.Register, layout: PoolLayout) -> Group:
-        with self._lock:
-            group = self._groups.get((msg.model_id, msg.cache_salt))
-            if group is None:
-                group = self._groups[(msg.model_id, msg.cache_salt)] = Group(msg, layout, self.config)
-                return group
-        group.check(msg, layout)
-        return group
+        return self.registry.register(self._session(peer), msg, self.session_timeout_s), []
 
     # ---- lookups ------------------------------------------------------------------------------
     def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads, *, wait: bool = True) -> p.Reply:
@@ -226,9 +177,6 @@ class DepotService:
         status = p.PrefetchStatus(ready >= matched, matched, ready)
         session.put_prefetch(msg.request_id, status, self.config.lease_timeout_s)
         return p.PrefetchStatus(status.done, matched, ready, session.token), []
-
-    def lookup_now(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads) -> p.Reply:
-        return self.lookup(peer, msg, payloads, now=True)
 
     def query_prefetch_status(self, peer: bytes, msg: p.QueryPrefetch, payloads: p.Payloads) -> p.Reply:
         return self._session(peer).get_prefetch(msg.request_id), []
@@ -337,7 +285,7 @@ class DepotService:
             if now - session.last_seen > self.session_timeout_s:
                 logger.warning("kvdepot server: %s silent for %.1f s; releasing its leases and pool",
                                session, now - session.last_seen)
-                self._drop(session)
+                self._drop(session, reaped=True)
             else:
                 session.expire_prefetch(now)
 
@@ -347,9 +295,7 @@ class DepotService:
             self._sessions.clear()
         for session in sessions:
             session.close(drain_s=5.0)
-        for group in list(self._groups.values()):
-            for shard in group.shards.values():
-                shard.engine.close()
+        self.registry.close()
 
     def stats(self, peer: bytes, msg: p.GetStats, payloads: p.Payloads) -> p.Reply:
         self._session(peer)
@@ -358,7 +304,7 @@ class DepotService:
     def snapshot(self) -> p.StatsReply:
         with self._lock:
             sessions = list(self._sessions.values())
-            groups = list(self._groups.values())
+        groups = self.registry.groups()
         shards = [p.ShardStats(group.name, rank, _figures(shard.engine.stats()))
                   for group in groups for rank, shard in sorted(group.shards.items())]
         mappings = sum(1 for s in sessions if s.reg is not None and s.reg.pool.tensor is not None)
@@ -383,16 +329,6 @@ def _figures(stats: object) -> dict[str, float]:
                 name = row.get("name", "tier") if isinstance(row, dict) else "tier"
                 out.update({f"{name}_{k}": float(v) for k, v in row.items() if isinstance(v, (int, float))})
     return out
-
-
-def _cuda_index(desc: p.PoolDesc) -> int | None:
-    """The local index of a CUDA pool's GPU, or None (not CUDA, or not visible here)."""
-    if not isinstance(desc, p.CudaIpcPool) or not torch.cuda.is_available():
-        return None
-    try:
-        return device_by_uuid(desc.device_uuid)
-    except IpcError:
-        return None
 
 
 def _device(tensor: torch.Tensor):  # type: ignore[no-untyped-def]

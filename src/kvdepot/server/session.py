@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import secrets
 import threading
 import time
@@ -89,8 +90,9 @@ class Session:
             raise ProtocolError(ErrorCode.NOT_REGISTERED, "REGISTER a KV pool before LOOKUP")
         return reg
 
-    def install(self, reg: Registration, drain_s: float) -> None:
-        """Replace the registration (a worker re-registering); the old pool is unmapped."""
+    def install(self, reg: Registration, drain_s: float) -> Registration | None:
+        """Replace the registration (a worker re-registering); the old pool is unmapped and the
+        old registration returned (its group loses a member)."""
         with self._cond:
             if self.closed:
                 reg.pool.close()
@@ -99,6 +101,7 @@ class Session:
         if old is not None:
             self._drain(drain_s)
             _unmap(old)
+        return old
 
     # ---- lookups ------------------------------------------------------------------------------
     def put_prefetch(self, request_id: int, status: PrefetchStatus, ttl_s: float) -> None:
@@ -151,11 +154,16 @@ class Session:
         with self._cond:
             return self._cond.wait_for(lambda: self._ops == 0, timeout=timeout_s)
 
-    def close(self, drain_s: float = 30.0) -> None:
-        """Release leases, wait for in-flight copies, unmap. Idempotent."""
+    def close(self, drain_s: float = 30.0, *, reaped: bool = False) -> Registration | None:
+        """Release leases, wait for in-flight copies, unmap; the registration so released is
+        returned (None: there was none, or it stays mapped). Idempotent.
+
+        ``reaped`` (the client went silent): if its process is gone too, its shared pool file is
+        removed — a client killed with -9 cannot, and the file would hold its memory for good.
+        """
         with self._cond:
             if self.closed:
-                return
+                return None
             self.closed = True
             rids = list(self.prefetch)
             self.prefetch.clear()
@@ -166,10 +174,26 @@ class Session:
         if not self._drain(drain_s):
             # A copy that never finishes (a hung GPU) must not become a crash: keep the mapping.
             logger.error("kvdepot: %s still has copies in flight after %.0f s; its pool stays mapped", self, drain_s)
-            return
+            return None
         self.reg = None
         if reg is not None:
             _unmap(reg)
+            if reaped and not _alive(self.pid) and reg.pool.remove_file():
+                logger.info("kvdepot server: removed the shared pool file of %s (its process is gone)", self)
+        return reg
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (unknown, 0, counts as alive: nothing is removed then)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that pid
+        return True
+    return True
 
 
 def _unmap(reg: Registration) -> None:
