@@ -262,7 +262,7 @@ def test_tcp_server_maps_no_files_and_the_client_falls_back_to_bytes(workdir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = load_config(chunk_size=CHUNK, host_capacity_gb=0.01)
-    with DepotServer(tcp_url(port), config) as server:
+    with DepotServer(tcp_url(port), config, insecure=True) as server:
         assert server.url == f"tcp://127.0.0.1:{port}"
         c = DepotClient(server.url, timeout_s=5.0)
         try:

@@ -34,7 +34,8 @@ _EPILOG = """\
 examples:
   kvdepot server                                  # per-user ipc:// socket, 4 GB host tier
   kvdepot server --host-capacity-gb 64 --metrics-port 9400
-  kvdepot server --tcp 5555                       # tcp://127.0.0.1:5555 (loopback only)
+  kvdepot keys ~/.kvdepot-keys                    # once: CURVE keys for TCP (see docs/server.md)
+  kvdepot server --tcp 5555 --server-curve-dir ~/.kvdepot-keys   # tcp://127.0.0.1:5555, CURVE
   kvdepot stats                                   # live figures of the running server
 Stop it with Ctrl-C or SIGTERM: sessions are closed and the socket file is removed.
 """
@@ -61,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--url", help=f"ipc://PATH or tcp://HOST:PORT (default: {_default_url_text()})")
     where.add_argument("--tcp", type=int, metavar="PORT",
                        help="listen on tcp://127.0.0.1:PORT (loopback); for another address use --url")
+    where.add_argument("--insecure", action="store_true",
+                       help="allow tcp:// without CURVE keys (server_curve_dir): anyone who can connect reads and writes KV")
     server = parser.add_argument_group("server")
     keys = {f.name for f in config_keys()}
     for name, (kind, default, text) in _SERVER_KNOBS.items():
@@ -100,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("kvdepot").setLevel(config.log_level)
         server = DepotServer(url, config, workers=int(knobs["workers"]), session_timeout_s=float(knobs["session_timeout_s"]),
-                             max_frame_bytes=int(knobs["max_frame_mb"]) << 20, metrics_port=int(knobs["metrics_port"]))
+                             max_frame_bytes=int(knobs["max_frame_mb"]) << 20, metrics_port=int(knobs["metrics_port"]), insecure=args.insecure)
         server.serve_forever(ready=lambda: print(
             f"kvdepot server listening on {server.url} (pid {os.getpid()}); engines connect with "
             f"KVDEPOT_SERVER_URL={server.url}; Ctrl-C stops it", file=sys.stderr, flush=True))

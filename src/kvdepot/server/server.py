@@ -43,6 +43,7 @@ from kvdepot.config import DepotConfig, load_config
 from kvdepot.errors import KVDepotError
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
+from kvdepot.server.auth import server_curve
 from kvdepot.server.client import readable, recv_frames, send_frames
 from kvdepot.server.metrics import start_metrics
 from kvdepot.server.paths import check_socket, check_url, default_url, ipc_path, open_private
@@ -65,10 +66,13 @@ class DepotServer:
     def __init__(
         self, url: str | None = None, config: DepotConfig | None = None, *, workers: int = 4,
         session_timeout_s: float = 30.0, max_frame_bytes: int = 4 << 30, metrics_port: int = 0,
-        reap_interval_s: float | None = None, max_pending: int = 1024,
+        reap_interval_s: float | None = None, max_pending: int = 1024, insecure: bool = False,
     ) -> None:
         self.url = check_url(url or default_url())
         self.config = config or load_config()
+        # tcp:// needs CURVE keys (server_curve_dir) unless ``insecure``: refused here, before anything starts
+        self._curve = server_curve(self.url, self.config.server_curve_dir, insecure=insecure)
+        self._stop_auth: Any = None
         self.service = DepotService(self.config, url=self.url, session_timeout_s=session_timeout_s,
                                     max_payload_bytes=max_frame_bytes)
         self.workers, self.max_frame_bytes, self.metrics_port = workers, max_frame_bytes, metrics_port
@@ -107,6 +111,8 @@ class DepotServer:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        if self._curve is not None:
+            self._stop_auth = self._curve.secure(self._ctx, router)
         try:
             if path is not None:
                 with contextlib.suppress(FileNotFoundError):
@@ -151,6 +157,9 @@ class DepotServer:
         if self._lock_file is not None:
             os.close(self._lock_file)  # closing drops the flock
             self._lock_file = None
+        if self._stop_auth is not None:
+            self._stop_auth()
+            self._stop_auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
