@@ -2,7 +2,8 @@
 
 Every configuration key has a flag, generated from the config table (``config.config_keys()``),
 so a new key shows up here by itself. Flags override ``KVDEPOT_*`` environment variables, which
-override ``KVDEPOT_CONFIG_FILE``.
+override ``KVDEPOT_CONFIG_FILE``. Settings the server could not serve with are refused at start,
+in one line with exit status 2 (``settings.check_settings``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import sys
 from collections.abc import Sequence
 
 from kvdepot.config import ENV_PREFIX, config_keys, resolve_config
-from kvdepot.errors import KVDepotError
+from kvdepot.errors import ConfigError, KVDepotError
 from kvdepot.server.paths import default_url, tcp_url
 from kvdepot.server.server import DepotServer
+from kvdepot.server.settings import check_settings
 
 _DESCRIPTION = """\
 Run kvdepot's cache server: it owns the host memory tier and serves every TensorRT-LLM
@@ -100,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise KVDepotError("give --url or --tcp, not both")
         url = args.url or (tcp_url(args.tcp) if args.tcp else None) or config.server_url or default_url()
         knobs = {name: _knob(args, config, name) for name in _SERVER_KNOBS}
+        check_settings(config)  # an unusable disk_path, chunk_size or remote_url: refused now, not per REGISTER
         logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("kvdepot").setLevel(config.log_level)
         server = DepotServer(url, config, workers=int(knobs["workers"]), session_timeout_s=float(knobs["session_timeout_s"]),
@@ -107,6 +110,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.serve_forever(ready=lambda: print(
             f"kvdepot server listening on {server.url} (pid {os.getpid()}); engines connect with "
             f"KVDEPOT_SERVER_URL={server.url}; Ctrl-C stops it", file=sys.stderr, flush=True))
+    except ConfigError as exc:  # the operator's settings: one line, status 2 (as for bad arguments)
+        print(f"kvdepot server: {exc}", file=sys.stderr)
+        return 2
     except KVDepotError as exc:
         print(f"kvdepot server: {exc}", file=sys.stderr)
         return 1

@@ -94,10 +94,20 @@ class DepotServer:
 
     # ---- life cycle ---------------------------------------------------------------------------
     def start(self) -> DepotServer:
-        self._bind()
+        if self.metrics_port:  # first: a taken port fails before anything else is held
+            try:
+                self._stop_metrics = start_metrics(self.service.snapshot, self.metrics_port)
+            except OSError as exc:
+                raise KVDepotError(f"cannot serve metrics on port {self.metrics_port} (--metrics-port): "
+                                   f"{exc.strerror or exc}") from None
+        try:
+            self._bind()
+        except BaseException:
+            if self._stop_metrics is not None:
+                self._stop_metrics()
+                self._stop_metrics = None
+            raise
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvdepot-handler")
-        if self.metrics_port:
-            self._stop_metrics = start_metrics(self.service.snapshot, self.metrics_port)
         self._thread = threading.Thread(target=self._loop, name="kvdepot-server", daemon=True)
         self._thread.start()
         logger.info("kvdepot server %d listening on %s (pid %d)", self.service.server_id, self.url, os.getpid())
