@@ -17,7 +17,9 @@ waits on each right before that layer's attention (``ServerLayeredLoad``). cuda-
 are imported lazily, so CPU-only installs never need them.
 
 CPU: a pool inside a shared file (``torch.from_file(path, shared=True)``, e.g. /dev/shm) is
-mapped by path + offset; any other CPU pool sends its blocks over the socket ("bytes").
+named by path + offset; the server opens it once (no symlink), checks that descriptor (a regular
+file of its own user, large enough) and maps that same descriptor, so the file checked is the
+file mapped. Any other CPU pool sends its blocks over the socket ("bytes").
 """
 
 from __future__ import annotations
