@@ -4,11 +4,15 @@
     DepotServer(...).serve_forever()         serve in this thread until SIGINT/SIGTERM
     DepotServer.stop()                       stop serving, close sessions, remove the socket file
 
-The loop reads requests and answers at once those that cannot block (``DepotService.try_inline``:
-PING, QUERY_PREFETCH_STATUS, and LOOKUP/RELEASE over host memory when no engine lock is held);
-the others go to the thread pool, and the worker that ran one sends its reply itself. At most
+The loop reads requests, refuses a body longer than its op's bound (``protocol.OPS``) without
+decoding it, and answers at once what the op's mode lets run there and can finish now
+(``DepotService.try_inline``: INLINE ops, and TRY_INLINE ones whose handler does not raise
+``WouldBlock``); it decodes only bodies within the op's ``inline_body``. The others go to the
+thread pool — decoded there — and the worker that ran one sends its reply itself. At most
 ``max_pending`` requests wait for the pool; beyond that the server answers BUSY rather than
-queueing without bound.
+queueing without bound. A request that fails on the loop in any way gets an INTERNAL reply; if
+the loop thread dies all the same, ``serve_forever`` raises ``ServerFailed`` (the process exits
+non-zero).
 
 The socket is shared the way the client shares its own: every use is non-blocking and under a
 lock; the loop sleeps in ``poll`` on the socket's notification fd (``ZMQ_FD``) and a wake-up
