@@ -20,6 +20,7 @@ BENCHES = {
     "ttft": ("kvdepot.bench.ttft", "TTFT of recompute vs a kvdepot hit in the reference runtime, and miss overhead"),
     "tiers": ("kvdepot.bench.tiers", "disk and Redis tiers vs raw I/O of the same bytes, and TTFT of hits served from each tier"),
     "mp": ("kvdepot.bench.mp", "server store/retrieve GB/s vs in-process and pinned memcpy; LOOKUP round trip"),
+    "soak": ("kvdepot.bench.soak", "client processes under server/client/Redis kills and SIGSTOP; every loaded byte checked"),
 }
 
 
