@@ -158,9 +158,9 @@ class Fuzzer:
         if choice == 2:  # 5,000 layer events: past REGISTER's bound
             pool = p.CudaIpcPool(b"h" * 64, 0, 1 << 20, "GPU-x", b"e" * 64, b"f" * 64, tuple([b"l" * 64] * 5000))
             return _frames(p.Op.REGISTER, _register("fuzz", pool=pool))
-        if choice == 3:  # 600,000 tokens: legal in size, decoded on the pool, hashed there
-            return _frames(p.Op.LOOKUP, p.Lookup(r.randrange(1 << 40), b"", [r.randrange(1 << 17)] * 600_000))
-        ids = [r.randrange(1 << 31)] * r.choice([300_000, 700_000])  # block ids for blocks never sent
+        if choice == 3:  # 600,000 tokens: legal, decoded on the pool, hashed there; 3M: refused by count
+            return _frames(p.Op.LOOKUP, p.Lookup(r.randrange(1 << 40), b"", [r.randrange(1 << 7)] * r.choice([600_000, 3_000_000])))
+        ids = [r.randrange(1 << 7)] * r.choice([300_000, 3_000_000])  # block ids for blocks never sent; too many
         return _frames(p.Op.RETRIEVE if r.random() < 0.5 else p.Op.STORE, p.Retrieve(self.keys(2), ids)
                        if r.random() < 0.5 else p.Store(self.keys(2), ids))[:2]
 

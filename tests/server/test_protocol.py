@@ -198,3 +198,34 @@ def test_an_oversized_body_is_refused_before_it_is_decoded(monkeypatch):
     assert (info.value.code, info.value.req_id) == (p.ErrorCode.BAD_REQUEST, 4)
     assert "LOOKUP: body of" in info.value.message and "limit of 1000" in info.value.message
     assert decoded == [len(small[1])]  # the big one was never decoded
+
+
+@pytest.mark.parametrize("op, msg, words", [
+    (p.Op.LOOKUP, p.Lookup(1, b"", [1] * (p.MAX_TOKENS + 1)), f"{p.MAX_TOKENS + 1} tokens"),
+    (p.Op.LOOKUP, p.Lookup(1, b"k" * (16 * p.MAX_KEYS + 16)), f"{16 * p.MAX_KEYS + 16} key bytes"),
+    (p.Op.STORE, p.Store(b"k" * 32, [0] * (p.MAX_BLOCKS + 1)), f"{p.MAX_BLOCKS + 1} block ids"),
+    (p.Op.RETRIEVE, p.Retrieve(b"k" * 32, [7] * (p.MAX_BLOCKS + 1), 3), f"{p.MAX_BLOCKS + 1} block ids"),
+], ids=["tokens", "keys", "store-ids", "retrieve-ids"])
+def test_a_list_longer_than_its_limit_is_refused_from_its_header(op, msg, words, monkeypatch):
+    """One-byte items fit the byte bound many times over: the item count, read from the msgpack
+    header before decoding, is what refuses them (a LOOKUP of 100M tokens of 1 byte each)."""
+    body = w.encode(msg)
+    assert len(body) <= p.OPS[op].max_body
+    monkeypatch.setitem(w._decoders, type(msg), None)  # any decoding attempt would fail loudly
+    with pytest.raises(p.ProtocolError) as info:
+        w.parse_header([w.encode(p.RequestHeader(op, 5)), body])
+    assert (info.value.code, info.value.req_id) == (p.ErrorCode.BAD_REQUEST, 5)
+    assert words in info.value.message
+
+
+def test_peeking_at_lengths_never_raises():
+    """The header peek reads prefixes of anything: junk, truncation, maps, strings."""
+    import random
+
+    rng = random.Random(3)
+    good = w.encode(p.Store(b"k" * 32, [1, 2, 3], 9, True))
+    assert w._peek_lengths(memoryview(good), 2) == [32, 3]
+    assert w._peek_lengths(memoryview(w.encode(p.Lookup(1, b"k" * 16, [4, 5]))), 3) == [None, 16, 2]
+    for _ in range(3000):
+        blob = rng.choice([rng.randbytes(rng.randrange(12)), good[: rng.randrange(len(good))]])
+        assert isinstance(w._peek_lengths(memoryview(blob), 3), list)

@@ -295,9 +295,12 @@ class Exec(Enum):
 
 
 # ---- limits: what one message may carry --------------------------------------------------------
-MAX_KEYS = 1 << 20  # chunk keys in one message (a 256M-token prompt at chunk 256)
-MAX_TOKENS = 1 << 24  # tokens in one LOOKUP (16M)
-MAX_BLOCKS = 1 << 22  # block ids in one STORE/RETRIEVE
+# NOTE: decoding holds the GIL, so a legal maximum decoded on the pool still pauses the loop
+# thread: 16M tokens did for ~0.5 s (seconds on a loaded 2-core host). The limits are a few times
+# the longest prompts served (1M tokens), no more.
+MAX_KEYS = 1 << 16  # chunk keys in one message (a 16M-token prompt at chunk 256, 1M at chunk 16)
+MAX_TOKENS = 1 << 20  # tokens in one LOOKUP by tokens (our clients send keys)
+MAX_BLOCKS = 1 << 20  # block ids in one STORE/RETRIEVE
 INLINE_KEYS = 2048  # a LOOKUP with more keys runs on the pool: the loop thread serves everyone
 # Worst-case msgpack sizes: an int field 9 bytes, a bin or array header 5; a token (uint32) or a
 # block id (< 2**31) at most 5 bytes. A body frame longer than its op's bound cannot be legal, so
@@ -319,17 +322,23 @@ class OpSpec:
     mode: Exec
     max_body: int  # longest legal body frame, in bytes: longer is refused undecoded
     inline_body: int = 0  # longest body decoded on the loop thread (INLINE/TRY_INLINE); longer: the pool
+    # (field position, most items) of the array-like body's lists and bins, read from their
+    # msgpack headers before decoding: 100M one-byte tokens fit the byte bound, not this one
+    counts: tuple[tuple[int, int, str], ...] = ()
 
 
 OPS: dict[int, OpSpec] = {spec.op: spec for spec in (
     OpSpec(Op.HELLO, Hello, HelloReply, "hello", Exec.POOL, 4096),
     OpSpec(Op.REGISTER, Register, RegisterReply, "register", Exec.POOL, 256 << 10),
     OpSpec(Op.LOOKUP, Lookup, PrefetchStatus, "lookup", Exec.TRY_INLINE,
-           _HDR + _INT + _KEYS + _HDR + MAX_TOKENS * _ID + _INT, inline_body=_HDR + INLINE_KEYS * 16 + _SMALL),
+           _HDR + _INT + _KEYS + _HDR + MAX_TOKENS * _ID + _INT, inline_body=_HDR + INLINE_KEYS * 16 + _SMALL,
+           counts=((1, MAX_KEYS * 16, "key bytes"), (2, MAX_TOKENS, "tokens"))),
     OpSpec(Op.QUERY_PREFETCH_STATUS, QueryPrefetch, PrefetchStatus, "query_prefetch_status", Exec.INLINE,
            _SMALL, _SMALL),
-    OpSpec(Op.STORE, Store, StoreReply, "store", Exec.POOL, _COPY),
-    OpSpec(Op.RETRIEVE, Retrieve, RetrieveReply, "retrieve", Exec.POOL, _COPY),
+    OpSpec(Op.STORE, Store, StoreReply, "store", Exec.POOL, _COPY,
+           counts=((0, MAX_KEYS * 16, "key bytes"), (1, MAX_BLOCKS, "block ids"))),
+    OpSpec(Op.RETRIEVE, Retrieve, RetrieveReply, "retrieve", Exec.POOL, _COPY,
+           counts=((0, MAX_KEYS * 16, "key bytes"), (1, MAX_BLOCKS, "block ids"))),
     OpSpec(Op.RELEASE, Release, Empty, "release", Exec.TRY_INLINE, _SMALL, _SMALL),
     OpSpec(Op.END_SESSION, EndSession, Empty, "end_session", Exec.POOL, _SMALL),
     OpSpec(Op.PING, Ping, Pong, "ping", Exec.INLINE, _SMALL, _SMALL),

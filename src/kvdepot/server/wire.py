@@ -71,7 +71,59 @@ def parse_header(frames: Sequence[Buffer]) -> tuple[RequestHeader, OpSpec]:
     if size > spec.max_body:
         raise ProtocolError(ErrorCode.BAD_REQUEST, f"{spec.op.name}: body of {size} bytes exceeds its limit of "
                             f"{spec.max_body} (see protocol.MAX_KEYS/MAX_TOKENS/MAX_BLOCKS)", header.req_id)
+    if spec.counts:
+        lengths = _peek_lengths(memoryview(frames[1]).cast("B"), max(i for i, _, _ in spec.counts) + 1)
+        for index, most, what in spec.counts:
+            n = lengths[index] if index < len(lengths) else None
+            if n is not None and n > most:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"{spec.op.name}: {n} {what} (at most {most})", header.req_id)
     return header, spec
+
+
+def _peek_lengths(body: memoryview, fields: int) -> list[int | None]:
+    """Lengths of the first ``fields`` elements of a msgpack array, read from their headers
+    without decoding: an array's or bin's item count, None for a scalar. Stops early (fewer
+    entries) at anything else — a map, a string, truncation — which the decoder then refuses."""
+    out: list[int | None] = []
+    try:
+        n, pos = _header(body, 0, _ARRAYS)
+        for _ in range(min(n, fields)):
+            tag = body[pos]
+            if tag in _ARRAYS or tag in _BINS:
+                count, start = _header(body, pos, _ARRAYS if tag in _ARRAYS else _BINS)
+                out.append(count)
+                if tag in _ARRAYS:
+                    return out  # its items are not walked, so the fields after it are not reached
+                pos = start + count
+            elif tag <= 0x7F or tag >= 0xE0 or tag in (0xC0, 0xC2, 0xC3):
+                out.append(None)
+                pos += 1
+            elif tag in _SCALAR_WIDTH:
+                out.append(None)
+                pos += 1 + _SCALAR_WIDTH[tag]
+            else:
+                return out
+    except (IndexError, ValueError):
+        pass
+    return out
+
+
+_ARRAYS = {0xDC: 2, 0xDD: 4, **{t: 0 for t in range(0x90, 0xA0)}}  # array16, array32, fixarray
+_BINS = {0xC4: 1, 0xC5: 2, 0xC6: 4}
+_SCALAR_WIDTH = {0xCA: 4, 0xCB: 8, 0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8, 0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
+
+
+def _header(body: memoryview, pos: int, kinds: dict[int, int]) -> tuple[int, int]:
+    """(count, position after the header) of the array or bin header at ``pos``."""
+    tag = body[pos]
+    if tag not in kinds:
+        raise ValueError(tag)
+    width = kinds[tag]
+    if width == 0:
+        return tag & 0x0F, pos + 1
+    if pos + 1 + width > len(body):
+        raise IndexError(pos)
+    return int.from_bytes(body[pos + 1 : pos + 1 + width], "big"), pos + 1 + width
 
 
 def decode_body(header: RequestHeader, spec: OpSpec, frame: Buffer) -> msgspec.Struct:
