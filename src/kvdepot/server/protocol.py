@@ -322,7 +322,7 @@ class OpSpec:
     mode: Exec
     max_body: int  # longest legal body frame, in bytes: longer is refused undecoded
     inline_body: int = 0  # longest body decoded on the loop thread (INLINE/TRY_INLINE); longer: the pool
-    # (field position, most items) of the array-like body's lists and bins, read from their
+    # (field position, most items, what) of the array-like body's lists and bins, read from their
     # msgpack headers before decoding: 100M one-byte tokens fit the byte bound, not this one
     counts: tuple[tuple[int, int, str], ...] = ()
 
