@@ -231,6 +231,7 @@ def test_curve_keeps_out_clients_without_the_keys_and_hides_kv_on_the_wire(tmp_p
         finally:
             raw.close(0)
         assert server.service.snapshot().sessions == 0  # only the keyed client ever had one (closed)
+    assert not [t for t in threading.enumerate() if "Authentication" in type(t).__name__]  # ZAP thread joined
 
 
 def test_insecure_tcp_really_is_plain_text(workdir):
