@@ -24,6 +24,7 @@ import torch
 
 from kvdepot.config import DepotConfig
 from kvdepot.errors import LayoutError
+from kvdepot.events.publisher import KVEventPublisher
 from kvdepot.layout import PoolLayout
 from kvdepot.server import protocol as p
 from kvdepot.server.ipc import MAX_LAYER_EVENTS, IpcError, device_by_uuid, open_pool, torch_dtype
@@ -59,8 +60,8 @@ class HostBudget:
 class Registry:
     """The server's model groups, keyed by (model id, cache salt), and who is registered where."""
 
-    def __init__(self, config: DepotConfig, *, allow_shm: bool) -> None:
-        self.config, self.allow_shm = config, allow_shm
+    def __init__(self, config: DepotConfig, *, allow_shm: bool, events: KVEventPublisher | None = None) -> None:
+        self.config, self.allow_shm, self.events = config, allow_shm, events
         self.budget = HostBudget(int(config.host_capacity_gb * 1e9))
         self._lock = threading.Lock()  # the tables below; never held across engine calls
         self._groups: dict[tuple[str, str], Group] = {}
@@ -91,7 +92,7 @@ class Registry:
         host_blocks = shard.engine.host.num_slots * layout.blocks_per_chunk
         disk_blocks = int(group.config.disk_capacity_gb * 1e9) // layout.bytes_per_block if group.config.disk_path else 0
         return p.RegisterReply(self.config.chunk_size, self.config.hash_algo, host_blocks, disk_blocks,
-                               group.hasher.seed, group.name)
+                               group.hasher.seed, group.name, self.events is not None)
 
     def _check(self, msg: p.Register) -> tuple[PoolLayout, torch.dtype]:
         for name, limit in _LIMITS.items():
@@ -127,7 +128,7 @@ class Registry:
             for old in idle:
                 self._forget(old)
             if group is None:  # cheap: a group makes its engines at its ranks' first REGISTER
-                group = self._groups[key] = Group(msg, layout, self.config, self.budget)
+                group = self._groups[key] = Group(msg, layout, self.config, self.budget, self.events)
             self._members[group] = self._members.get(group, 0) + 1
         for old in idle:
             self._free(old)

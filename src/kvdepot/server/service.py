@@ -28,6 +28,7 @@ import torch
 
 from kvdepot.config import DepotConfig
 from kvdepot.errors import ConfigError, LayoutError
+from kvdepot.events.publisher import publisher_from_config
 from kvdepot.keys import KEY_BYTES
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
@@ -52,7 +53,8 @@ class DepotService:
         self.started = time.monotonic()
         self._lock = threading.Lock()  # the tables below; held only for dict operations
         self._sessions: dict[bytes, Session] = {}
-        self.registry = Registry(config, allow_shm=self.allow_shm)  # model groups, the host budget
+        self.events = publisher_from_config(config)  # one KV-event publisher for every engine here
+        self.registry = Registry(config, allow_shm=self.allow_shm, events=self.events)  # groups, host budget
         self._sids = itertools.count(1)
         self._handlers = p.bind(self)  # every operation's handler, looked up once
 
@@ -161,13 +163,15 @@ class DepotService:
 
     # ---- lookups ------------------------------------------------------------------------------
     def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads, *, wait: bool = True) -> p.Reply:
-        if not wait and (msg.tokens or len(msg.keys) > p.INLINE_KEYS * KEY_BYTES):
+        if not wait and ((msg.tokens and not msg.keys) or len(msg.keys) > p.INLINE_KEYS * KEY_BYTES):
             raise p.WouldBlock  # hashing tokens, or a very long prompt: not on the loop thread
         session = self._session(peer)
         reg = session.registration()
         if len(msg.keys) > p.MAX_KEYS * KEY_BYTES or len(msg.tokens) > p.MAX_TOKENS or msg.skip_tokens < 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "LOOKUP: too many keys/tokens or a negative skip")
         keys = w.split_keys(msg.keys) if msg.keys else reg.group.hasher.chunk_keys(msg.tokens)
+        if msg.tokens:  # the edge, server side: only chunks with known tokens are announced
+            reg.shard.engine.describe(keys, msg.tokens)
         lease = session.lease(msg.request_id)
         hit = reg.group.probe(keys, msg.skip_tokens, lease) if wait else reg.group.try_probe(keys, msg.skip_tokens, lease)
         if hit is None:
@@ -296,6 +300,8 @@ class DepotService:
         for session in sessions:
             session.close(drain_s=5.0)
         self.registry.close()
+        if self.events is not None:
+            self.events.close()
 
     def stats(self, peer: bytes, msg: p.GetStats, payloads: p.Payloads) -> p.Reply:
         self._session(peer)
