@@ -20,6 +20,7 @@ BENCHES = {
     "ttft": ("kvdepot.bench.ttft", "TTFT of recompute vs a kvdepot hit in the reference runtime, and miss overhead"),
     "tiers": ("kvdepot.bench.tiers", "disk and Redis tiers vs raw I/O of the same bytes, and TTFT of hits served from each tier"),
     "mp": ("kvdepot.bench.mp", "server store/retrieve GB/s vs in-process and pinned memcpy; LOOKUP round trip"),
+    "soak": ("kvdepot.bench.soak", "client processes under server/client/Redis kills and SIGSTOP; every loaded byte checked"),
 }
 
 
@@ -48,6 +49,16 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return print_stats(args.url or load_config().server_url)
 
 
+def _cmd_keys(args: argparse.Namespace) -> int:
+    from kvdepot.server.auth import write_keys
+
+    for path in write_keys(args.dir):
+        print(path)
+    print(f"server: --server-curve-dir {args.dir} (reads server.key_secret, authorized_clients/); clients: "
+          f"KVDEPOT_SERVER_CURVE_DIR={args.dir} (read server.key, client.key_secret)")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvdepot.demo import run
 
@@ -72,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="print a running server's live figures")
     stats.add_argument("--url", default=None, help="server URL (default: KVDEPOT_SERVER_URL or the per-user ipc:// socket)")
     stats.set_defaults(func=_cmd_stats)
+
+    keys = sub.add_parser("keys", help="write CURVE key pairs for a tcp:// server and its clients (docs/server.md)")
+    keys.add_argument("dir", help="directory to create (0700); becomes server_curve_dir")
+    keys.set_defaults(func=_cmd_keys)
 
     cfg = sub.add_parser("config", help="print the effective config and where each value came from")
     cfg.add_argument("-v", "--verbose", action="store_true", help="also print each key's documentation")

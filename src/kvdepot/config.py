@@ -64,6 +64,7 @@ class DepotConfig:
     remote_ttl_s: float | None = _key(None, "Expire Redis values after this many seconds; unset keeps them until Redis evicts.", minimum=0.001)
     write_queue_depth: int = _key(32, "Most write-behind jobs waiting for lower tiers; more are dropped and counted.", minimum=1)
     promote_to_disk: bool = _key(True, "Copy chunks promoted from Redis to disk too.")
+    server_curve_dir: str | None = _key(None, "Directory of the CURVE keys written by `kvdepot keys DIR`: a tcp:// server admits only the clients whose public keys are in it, and its clients encrypt with them (the server reads server.key_secret and authorized_clients/, clients server.key and client.key_secret); ipc:// does not use it.")
     server_timeout_s: float = _key(2.0, "Multi-process mode: every client call to the server gives up after this many seconds (then: no hit, store skipped).", minimum=0.001)
     session_timeout_s: float = _key(30.0, "Server: close a silent client's session (its leases, mapped pool) after this many seconds.", minimum=0.1)
     metrics_port: int = _key(0, "Server: serve Prometheus metrics on 127.0.0.1:PORT (0 = off).", minimum=0)

@@ -25,9 +25,9 @@ def test_flags_override_config_and_bad_values_fail_clearly(capsys, monkeypatch):
         build_parser().parse_args(["--hash-algo", "md5"])
     assert info.value.code == 2
     assert build_parser().parse_args(["--chunk-size", "64", "--save-decode-cache"]).save_decode_cache is True
-    assert main(["--chunk-size", "0"]) == 1  # validated by the config table
+    assert main(["--chunk-size", "0"]) == 2  # validated by the config table: a bad setting, status 2
     assert "chunk_size" in capsys.readouterr().err
-    assert main(["--url", "http://x"]) == 1
+    assert main(["--url", "http://x"]) == 2
     assert "expected ipc://PATH or tcp://HOST:PORT" in capsys.readouterr().err
 
 

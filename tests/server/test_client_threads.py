@@ -85,7 +85,7 @@ def test_a_reply_nobody_asks_for_is_collected(served):
 def test_loop_answers_while_an_engine_is_busy(served):
     """A LOOKUP that would wait for a busy engine goes to the pool; PING is answered meanwhile."""
     server, client, engine, keys = served
-    shard = next(iter(server.service._groups.values())).shards[0]
+    shard = server.service.registry.groups()[0].shards[0]
     shard.engine._lock.acquire()  # e.g. a pool swap waiting for copies
     try:
         lookup = client.submit(p.Lookup(5, w.join_keys(keys)))
@@ -110,7 +110,7 @@ def _service(workdir, **extra):
     msg = p.Register("svc", 0, 1, TOKENS_PER_BLOCK, pool.shape[0], pool.shape[1], pool.shape[2], pool.shape[3],
                      "bfloat16", pool[0].numel() * 2, p.ShmPool(storage.filename, pool.data_ptr() - storage.data_ptr()))
     assert w.parse_reply_header(service.handle(peer, w.request_frames(p.Op.REGISTER, 2, msg))[0]).status == 0
-    group = next(iter(service._groups.values()))
+    group = service.registry.groups()[0]
     keys = group.hasher.chunk_keys(prompt(4))
     service.handle(peer, w.request_frames(p.Op.STORE, 3, p.Store(w.join_keys(keys), list(range(BLOCKS)))))
     return service, peer, group, keys
@@ -126,7 +126,8 @@ def test_lookup_and_release_run_inline_only_when_they_cannot_block(workdir):
     engine = group.shards[0].engine
     try:
         reply = _inline(service, peer, p.Op.LOOKUP, p.Lookup(1, w.join_keys(keys)))
-        assert w.decode(reply[1], p.PrefetchStatus) == p.PrefetchStatus(True, 5 * 16, 5 * 16)
+        token = service._sessions[peer].token  # every LOOKUP reply carries the session's lease token
+        assert w.decode(reply[1], p.PrefetchStatus) == p.PrefetchStatus(True, 5 * 16, 5 * 16, token)
         assert engine.host.live_leases == 1
         assert _inline(service, peer, p.Op.LOOKUP, p.Lookup(2, b"", prompt(4))) is None  # hashing: pool
         holder_in, holder_out = threading.Event(), threading.Event()

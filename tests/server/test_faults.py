@@ -82,6 +82,7 @@ def test_killed_client_leases_and_mapping_are_released(server_url, workdir):
                                 model_id="survivor", mode="bytes")
         lines = [holder.stdout.readline().strip() for _ in range(3)]
         assert lines == ["stored 5", f"matched {5 * CHUNK}", "holding"]
+        assert (workdir / "pool-21").exists()
         before = stats(observer)
         assert (before.sessions, before.mappings, before.prefetches) == (2, 1, 1)
         assert totals(before)["live_leases"] == 1 and totals(before)["pinned_chunks"] == 5
@@ -95,6 +96,7 @@ def test_killed_client_leases_and_mapping_are_released(server_url, workdir):
             return (s.sessions, s.mappings, s.prefetches, t["live_leases"], t["pinned_chunks"]) == (1, 0, 0, 0, 0)
 
         assert wait_for(released, timeout=10)
+        assert not (workdir / "pool-21").exists()  # its shared pool file went with its session
         # The server kept serving: the survivor stores and hits; the dead client's chunks stay cached.
         keys = survivor.chunk_keys(prompt(22))
         survivor.store(keys, list(range(BLOCKS))).wait()

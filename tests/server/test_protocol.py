@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 
@@ -123,3 +125,107 @@ def test_a_retrieve_from_before_loads_by_layer_still_decodes():
     assert w.decode(old, p.Retrieve).by_layer is False
     assert w.decode(msgspec.msgpack.encode([64, 2]), p.RetrieveReply).by_layer is False
 
+
+
+def test_the_service_binds_every_operation_of_the_protocol_once():
+    """One ``DepotProtocol`` method per op id, implemented by the service with the op's request
+    type; the TRY_INLINE ones take ``wait`` (the loop's non-blocking attempt), the others do not."""
+    import inspect
+    import typing
+
+    declared = {name for name, value in vars(p.DepotProtocol).items() if inspect.isfunction(value) and not name.startswith("_")}
+    assert sorted(spec.handler for spec in p.OPS.values()) == sorted(declared)  # a bijection with the op ids
+    service = DepotService(load_config(chunk_size=16, host_capacity_gb=0.01))
+    try:
+        table = p.bind(service)
+        assert set(table) == set(p.Op)
+        for op, bound in table.items():
+            spec = p.OPS[op]
+            assert bound.spec is spec and spec.op == op
+            impl = getattr(DepotService, spec.handler)
+            assert bound.run.__func__ is impl
+            for owner in (p.DepotProtocol, DepotService):
+                hints = typing.get_type_hints(getattr(owner, spec.handler), vars(p) | {"p": p})
+                assert hints["msg"] is spec.request, (owner.__name__, spec.handler)
+            takes_wait = "wait" in inspect.signature(impl).parameters
+            assert takes_wait == (spec.mode is p.Exec.TRY_INLINE), spec.handler
+            assert (bound.now is None) == (spec.mode is p.Exec.POOL), spec.handler
+    finally:
+        service.close()
+
+    class Partial:
+        def hello(self, peer, msg, payloads):  # noqa: ANN001, ANN202
+            return p.Empty(), []
+
+    with pytest.raises(TypeError, match="lacks DepotProtocol.register"):
+        p.bind(Partial())  # type: ignore[arg-type]
+
+
+def test_every_body_bound_fits_the_largest_legal_message():
+    """``max_body`` is derived from the op's limits: the legal maximum passes, a byte more does not."""
+    biggest = {
+        p.Op.LOOKUP: p.Lookup((1 << 63) - 1, b"k" * 16 * p.MAX_KEYS, [(1 << 32) - 1] * p.MAX_TOKENS, (1 << 63) - 1),
+        p.Op.STORE: p.Store(b"k" * 16 * p.MAX_KEYS, [(1 << 31) - 1] * p.MAX_BLOCKS, (1 << 63) - 1, True),
+        p.Op.RETRIEVE: p.Retrieve(b"k" * 16 * p.MAX_KEYS, [(1 << 31) - 1] * p.MAX_BLOCKS, (1 << 63) - 1, (1 << 63) - 1,
+                                  (1 << 63) - 1, (1 << 63) - 1, (1 << 63) - 1, True, True),
+        p.Op.QUERY_PREFETCH_STATUS: p.QueryPrefetch((1 << 63) - 1),
+        p.Op.RELEASE: p.Release((1 << 63) - 1),
+        p.Op.REGISTER: p.Register("m" * 1024, 4095, 4096, 1 << 20, 1 << 31, 4096, 2, 1 << 31, "float8_e4m3fn", 1 << 36,
+                                  p.CudaIpcPool(b"h" * 64, 1 << 40, 1 << 40, "GPU-" + "f" * 36, b"e" * 64, b"f" * 64,
+                                                tuple([b"l" * 64] * 1024)), "s" * 1024),
+    }
+    for op, msg in biggest.items():
+        body = w.encode(msg)
+        assert len(body) <= p.OPS[op].max_body, op.name
+        w.parse_header([w.encode(p.RequestHeader(op, 1)), body])
+        with pytest.raises(p.ProtocolError) as info:
+            w.parse_header([w.encode(p.RequestHeader(op, 1)), b"\0" * (p.OPS[op].max_body + 1)])
+        assert info.value.code == p.ErrorCode.BAD_REQUEST and op.name in info.value.message
+        del body, msg
+
+
+def test_an_oversized_body_is_refused_before_it_is_decoded(monkeypatch):
+    decoded = []
+    real = w._decoders[p.Lookup]
+    monkeypatch.setitem(w._decoders, p.Lookup, type("Spy", (), {"decode": lambda self, f: decoded.append(len(f)) or real.decode(f)})())
+    spec = p.OPS[p.Op.LOOKUP]
+    monkeypatch.setitem(p.OPS, p.Op.LOOKUP, dataclasses.replace(spec, max_body=1000))
+    small = w.request_frames(p.Op.LOOKUP, 3, p.Lookup(1, b"", [7] * 900))
+    assert w.parse_request(small)[2].tokens == [7] * 900
+    big = w.request_frames(p.Op.LOOKUP, 4, p.Lookup(1, b"", [7] * 2000))
+    with pytest.raises(p.ProtocolError) as info:
+        w.parse_request(big)
+    assert (info.value.code, info.value.req_id) == (p.ErrorCode.BAD_REQUEST, 4)
+    assert "LOOKUP: body of" in info.value.message and "limit of 1000" in info.value.message
+    assert decoded == [len(small[1])]  # the big one was never decoded
+
+
+@pytest.mark.parametrize("op, msg, words", [
+    (p.Op.LOOKUP, p.Lookup(1, b"", [1] * (p.MAX_TOKENS + 1)), f"{p.MAX_TOKENS + 1} tokens"),
+    (p.Op.LOOKUP, p.Lookup(1, b"k" * (16 * p.MAX_KEYS + 16)), f"{16 * p.MAX_KEYS + 16} key bytes"),
+    (p.Op.STORE, p.Store(b"k" * 32, [0] * (p.MAX_BLOCKS + 1)), f"{p.MAX_BLOCKS + 1} block ids"),
+    (p.Op.RETRIEVE, p.Retrieve(b"k" * 32, [7] * (p.MAX_BLOCKS + 1), 3), f"{p.MAX_BLOCKS + 1} block ids"),
+], ids=["tokens", "keys", "store-ids", "retrieve-ids"])
+def test_a_list_longer_than_its_limit_is_refused_from_its_header(op, msg, words, monkeypatch):
+    """One-byte items fit the byte bound many times over: the item count, read from the msgpack
+    header before decoding, is what refuses them (a LOOKUP of 100M tokens of 1 byte each)."""
+    body = w.encode(msg)
+    assert len(body) <= p.OPS[op].max_body
+    monkeypatch.setitem(w._decoders, type(msg), None)  # any decoding attempt would fail loudly
+    with pytest.raises(p.ProtocolError) as info:
+        w.parse_header([w.encode(p.RequestHeader(op, 5)), body])
+    assert (info.value.code, info.value.req_id) == (p.ErrorCode.BAD_REQUEST, 5)
+    assert words in info.value.message
+
+
+def test_peeking_at_lengths_never_raises():
+    """The header peek reads prefixes of anything: junk, truncation, maps, strings."""
+    import random
+
+    rng = random.Random(3)
+    good = w.encode(p.Store(b"k" * 32, [1, 2, 3], 9, True))
+    assert w._peek_lengths(memoryview(good), 2) == [32, 3]
+    assert w._peek_lengths(memoryview(w.encode(p.Lookup(1, b"k" * 16, [4, 5]))), 3) == [None, 16, 2]
+    for _ in range(3000):
+        blob = rng.choice([rng.randbytes(rng.randrange(12)), good[: rng.randrange(len(good))]])
+        assert isinstance(w._peek_lengths(memoryview(blob), 3), list)

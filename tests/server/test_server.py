@@ -106,8 +106,9 @@ def test_lookup_starts_a_prefetch_and_status_is_queryable(server_url, client, wo
     keys = engine.chunk_keys(prompt(2))
     engine.store(keys, list(range(BLOCKS))).wait()
     status, _ = client.call(p.Lookup(11, w.join_keys(keys[:3])))
-    assert status == p.PrefetchStatus(True, 3 * CHUNK, 3 * CHUNK)
-    assert client.call(p.QueryPrefetch(11))[0] == status
+    assert status == p.PrefetchStatus(True, 3 * CHUNK, 3 * CHUNK, status.lease_token)
+    assert len(status.lease_token) == 16  # LOOKUP hands out the session's lease token; the status query does not
+    assert client.call(p.QueryPrefetch(11))[0] == p.PrefetchStatus(True, 3 * CHUNK, 3 * CHUNK)
     figures = totals(stats(client))
     assert figures["live_leases"] >= 1 and figures["pinned_chunks"] >= 3
     client.call(p.Release(11))
@@ -151,7 +152,7 @@ def test_tensor_parallel_hit_needs_every_rank(server_url, workdir):
         expected = [pool[:BLOCKS].clone() for pool in pools]
         dst = list(range(20, 20 + BLOCKS))
         for r in range(2):  # each rank loads its own shard, under the scheduler's lease
-            lease = (clients[0].session_id, 1)
+            lease = ranks[0].handover(1)  # the scheduler's session and its token
             assert ranks[r].retrieve(keys, dst, lease=lease) == 5 * CHUNK
             assert torch.equal(pools[r][dst], expected[r])
     finally:
@@ -262,7 +263,7 @@ def test_tcp_server_maps_no_files_and_the_client_falls_back_to_bytes(workdir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = load_config(chunk_size=CHUNK, host_capacity_gb=0.01)
-    with DepotServer(tcp_url(port), config) as server:
+    with DepotServer(tcp_url(port), config, insecure=True) as server:
         assert server.url == f"tcp://127.0.0.1:{port}"
         c = DepotClient(server.url, timeout_s=5.0)
         try:
@@ -331,7 +332,7 @@ def test_tensor_parallel_ranks_never_share_disk_objects(workdir):
             assert status.matched_tokens == 5 * CHUNK and not status.done
             dst = list(range(20, 20 + BLOCKS))
             for r in range(2):
-                lease = (clients[0].session_id, 3)
+                lease = (clients[0].session_id, 3, status.lease_token)
                 assert ranks[r].retrieve(keys, dst, lease=lease) == 5 * CHUNK
                 assert torch.equal(pools[r][dst], pools[r][:BLOCKS]), f"rank {r} got another rank's bytes"
         finally:

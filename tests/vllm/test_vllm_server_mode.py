@@ -72,7 +72,8 @@ def test_miss_then_hit_through_the_server_is_bit_exact(server, rigs) -> None:
     assert rig.sched.get_num_new_matched_tokens(req, 0) == (64, False)
     rig.sched.update_state_after_alloc(req, blocks([9, 8, 7, 6, 10]), 64)
     meta = rig.step(new_step("b", [9, 8, 7, 6, 10], 64, 16), computed_blocks=[10])
-    assert meta.lease_session > 0  # the worker's RETRIEVE names the scheduler's lease
+    assert meta.lease_session > 0  # the worker's RETRIEVE names the scheduler's lease ...
+    assert len(meta.lease_token) == 16  # ... with its token (the server refuses the load without it)
     for t in rig.caches.values():
         for src, dst in zip([1, 2, 3, 4], [9, 8, 7, 6], strict=True):
             assert torch.equal(t[dst], t[src])

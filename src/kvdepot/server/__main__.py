@@ -2,7 +2,8 @@
 
 Every configuration key has a flag, generated from the config table (``config.config_keys()``),
 so a new key shows up here by itself. Flags override ``KVDEPOT_*`` environment variables, which
-override ``KVDEPOT_CONFIG_FILE``.
+override ``KVDEPOT_CONFIG_FILE``. Settings the server could not serve with are refused at start,
+in one line with exit status 2 (``settings.check_settings``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import sys
 from collections.abc import Sequence
 
 from kvdepot.config import ENV_PREFIX, config_keys, resolve_config
-from kvdepot.errors import KVDepotError
+from kvdepot.errors import ConfigError, KVDepotError
 from kvdepot.server.paths import default_url, tcp_url
 from kvdepot.server.server import DepotServer
+from kvdepot.server.settings import check_settings
 
 _DESCRIPTION = """\
 Run kvdepot's cache server: it owns the host memory tier and serves every TensorRT-LLM
@@ -35,7 +37,8 @@ _EPILOG = """\
 examples:
   kvdepot server                                  # per-user ipc:// socket, 4 GB host tier
   kvdepot server --host-capacity-gb 64 --metrics-port 9400
-  kvdepot server --tcp 5555                       # tcp://127.0.0.1:5555 (loopback only)
+  kvdepot keys ~/.kvdepot-keys                    # once: CURVE keys for TCP (see docs/server.md)
+  kvdepot server --tcp 5555 --server-curve-dir ~/.kvdepot-keys   # tcp://127.0.0.1:5555, CURVE
   kvdepot stats                                   # live figures of the running server
 Stop it with Ctrl-C or SIGTERM: sessions are closed and the socket file is removed.
 """
@@ -62,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--url", help=f"ipc://PATH or tcp://HOST:PORT (default: {_default_url_text()})")
     where.add_argument("--tcp", type=int, metavar="PORT",
                        help="listen on tcp://127.0.0.1:PORT (loopback); for another address use --url")
+    where.add_argument("--insecure", action="store_true",
+                       help="allow tcp:// without CURVE keys (server_curve_dir): anyone who can connect reads and writes KV")
     server = parser.add_argument_group("server")
     keys = {f.name for f in config_keys()}
     for name, (kind, default, text) in _SERVER_KNOBS.items():
@@ -98,13 +103,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise KVDepotError("give --url or --tcp, not both")
         url = args.url or (tcp_url(args.tcp) if args.tcp else None) or config.server_url or default_url()
         knobs = {name: _knob(args, config, name) for name in _SERVER_KNOBS}
+        check_settings(config)  # an unusable disk_path, chunk_size or remote_url: refused now, not per REGISTER
         logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         logging.getLogger("kvdepot").setLevel(config.log_level)
         server = DepotServer(url, config, workers=int(knobs["workers"]), session_timeout_s=float(knobs["session_timeout_s"]),
-                             max_frame_bytes=int(knobs["max_frame_mb"]) << 20, metrics_port=int(knobs["metrics_port"]))
+                             max_frame_bytes=int(knobs["max_frame_mb"]) << 20, metrics_port=int(knobs["metrics_port"]), insecure=args.insecure)
         server.serve_forever(ready=lambda: print(
             f"kvdepot server listening on {server.url} (pid {os.getpid()}); engines connect with "
             f"KVDEPOT_SERVER_URL={server.url}; Ctrl-C stops it", file=sys.stderr, flush=True))
+    except ConfigError as exc:  # the operator's settings: one line, status 2 (as for bad arguments)
+        print(f"kvdepot server: {exc}", file=sys.stderr)
+        return 2
     except KVDepotError as exc:
         print(f"kvdepot server: {exc}", file=sys.stderr)
         return 1

@@ -52,6 +52,7 @@ import zmq
 from kvdepot.errors import KVDepotError
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
+from kvdepot.server.auth import client_curve
 from kvdepot.server.calls import Call, Reply, ServerError, ServerUnavailable
 from kvdepot.server.frames import readable, recv_frames, send_frames
 from kvdepot.server.paths import check_url, default_url
@@ -78,8 +79,11 @@ class DepotClient:
     """A connection to one server, shared by every thread of the process that uses it."""
 
     def __init__(self, url: str | None = None, *, timeout_s: float = 2.0, heartbeat_s: float = 1.0,
-                 name: str = "kvdepot", connect: bool = True, log_outages: bool = True) -> None:
+                 name: str = "kvdepot", connect: bool = True, log_outages: bool = True,
+                 curve_dir: str | None = None) -> None:
         self.url = check_url(url or default_url())
+        # tcp:// with server_curve_dir (this argument, else the config): CURVE, as the server wants
+        self._curve = client_curve(self.url, curve_dir or (_config_curve_dir() if self.url.startswith("tcp://") else None))
         self.timeout_s, self.heartbeat_s, self.name = timeout_s, heartbeat_s, name
         self.session_id, self.server_id = 0, 0
         self._ctx = zmq.Context()
@@ -240,6 +244,8 @@ class DepotClient:
         for option, value in ((zmq.LINGER, 0), (zmq.IMMEDIATE, 1), (zmq.RECONNECT_IVL, 100),
                               (zmq.RECONNECT_IVL_MAX, 1000), (zmq.SNDHWM, 10000), (zmq.RCVHWM, 10000)):
             sock.setsockopt(option, value)
+        if self._curve is not None:
+            self._curve.secure(sock)
         sock.connect(self.url)
         return sock
 
@@ -389,3 +395,9 @@ class DepotClient:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._ctx.term()
+
+
+def _config_curve_dir() -> str | None:
+    from kvdepot.config import load_config
+
+    return load_config().server_curve_dir

@@ -17,12 +17,15 @@ waits on each right before that layer's attention (``ServerLayeredLoad``). cuda-
 are imported lazily, so CPU-only installs never need them.
 
 CPU: a pool inside a shared file (``torch.from_file(path, shared=True)``, e.g. /dev/shm) is
-mapped by path + offset; any other CPU pool sends its blocks over the socket ("bytes").
+named by path + offset; the server opens it once (no symlink), checks that descriptor (a regular
+file of its own user, large enough) and maps that same descriptor, so the file checked is the
+file mapped. Any other CPU pool sends its blocks over the socket ("bytes").
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import stat
 import warnings
@@ -72,9 +75,12 @@ def device_by_uuid(uuid: str) -> int:
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a KV pool's name: a floating-point type (fp8/fp4 included), int8 or uint8.
+    Quantized (``qint8``…), bit, bool, complex and wide integer types are refused: none is a KV
+    pool's element type, and some (quantized) cannot even be copied as plain bytes."""
     dtype = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype) or dtype.is_complex or dtype == torch.bool:
-        raise IpcError(f"dtype {name!r} is not a KV cache dtype")
+    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype in (torch.int8, torch.uint8)):
+        raise IpcError(f"dtype {name[:64]!r} is not a KV cache dtype (a floating-point type, int8 or uint8)")
     return dtype
 
 
@@ -219,8 +225,10 @@ class MappedPool:
     """The server's view of a worker's pool; ``tensor`` is None for "bytes" pools."""
 
     def __init__(self, kind: str, tensor: torch.Tensor | None = None, closer: Any = None,
-                 events: tuple[Any, Any] | None = None, layer_events: Sequence[Any] = ()) -> None:
+                 events: tuple[Any, Any] | None = None, layer_events: Sequence[Any] = (),
+                 file: tuple[str, int, int] | None = None) -> None:
         self.kind, self.tensor, self._closer, self._events = kind, tensor, closer, events
+        self.file = file  # a shared file's (path, st_dev, st_ino), as mapped
         self.layer_events = list(layer_events)  # the client's, one per layer (empty: no loads by layer)
         self.stream = torch.cuda.Stream(tensor.device) if tensor is not None and tensor.is_cuda else None
 
@@ -244,6 +252,21 @@ class MappedPool:
             load.wait_layer(layer, self.stream)
             _check(runtime.cudaEventRecord(event, int(self.stream.cuda_stream)), "cudaEventRecord")  # type: ignore[union-attr]
 
+    def remove_file(self) -> bool:
+        """Unlink the shared file, if its path still names the file that was mapped (never a
+        file made there since). True if removed."""
+        if self.file is None:
+            return False
+        path, dev, ino = self.file
+        try:
+            info = os.stat(path, follow_symlinks=False)
+            if (info.st_dev, info.st_ino) != (dev, ino):
+                return False
+            os.unlink(path)
+        except OSError:
+            return False
+        return True
+
     def close(self) -> None:
         """Unmap. The caller has made sure no copy into or out of the pool is still running."""
         if self.stream is not None:
@@ -263,25 +286,33 @@ def open_pool(desc: PoolDesc, shape: tuple[int, ...], dtype: torch.dtype, *, all
     if isinstance(desc, ShmPool):
         if not allow_shm:
             raise IpcError("shared-file pools are accepted on ipc:// servers only (use bytes over TCP)")
-        flat = _map_shm(desc, nbytes)
-        return MappedPool("shm", flat[desc.offset : desc.offset + nbytes].view(dtype).view(shape))
+        flat, file = _map_shm(desc, nbytes)
+        return MappedPool("shm", flat[desc.offset : desc.offset + nbytes].view(dtype).view(shape), file=file)
     return _map_cuda(desc, nbytes, shape, dtype)
 
 
-def _map_shm(desc: ShmPool, nbytes: int) -> torch.Tensor:
+def _map_shm(desc: ShmPool, nbytes: int) -> tuple[torch.Tensor, tuple[str, int, int]]:
+    """The file checked and mapped through one descriptor: what was checked is what is mapped
+    (reopening by name would let the path be swapped in between)."""
     try:
-        fd = os.open(desc.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(desc.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
-        raise IpcError(f"cannot open shared pool file {desc.path!r}: {exc.strerror}") from None
+        raise IpcError(f"cannot open shared pool file {desc.path[:256]!r}: {exc.strerror}") from None
     try:
         info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
+            raise IpcError(f"shared pool file {desc.path[:256]!r} must be a regular file owned by the server's user")
+        if nbytes <= 0 or desc.offset < 0 or desc.offset + nbytes > info.st_size:
+            raise IpcError(f"pool of {nbytes} bytes at offset {desc.offset} does not fit {desc.path[:256]!r} "
+                           f"({info.st_size} bytes)")
+        try:
+            memory = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as exc:
+            raise IpcError(f"cannot map shared pool file {desc.path[:256]!r}: {exc}") from None
     finally:
-        os.close(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid():
-        raise IpcError(f"shared pool file {desc.path!r} must be a regular file owned by the server's user")
-    if desc.offset < 0 or desc.offset + nbytes > info.st_size:
-        raise IpcError(f"pool of {nbytes} bytes at offset {desc.offset} does not fit {desc.path!r} ({info.st_size} bytes)")
-    return torch.from_file(desc.path, shared=True, size=info.st_size, dtype=torch.uint8)
+        os.close(fd)  # the mapping outlives the descriptor
+    # The tensor keeps the mapping alive; it is unmapped once the last view of it is gone.
+    return torch.frombuffer(memory, dtype=torch.uint8), (desc.path, info.st_dev, info.st_ino)
 
 
 def _map_cuda(desc: CudaIpcPool, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype) -> MappedPool:

@@ -28,9 +28,10 @@ handling live in ``wire``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Protocol
 
 import msgspec
@@ -182,6 +183,7 @@ class PrefetchStatus(msgspec.Struct, **_HOT):
     done: bool  # False: lower tiers are still being staged into host memory
     matched_tokens: int  # end of the hit, in tokens from 0, on every TP rank
     ready_tokens: int  # of which already in host memory
+    lease_token: bytes = b""  # LOOKUP: the session's secret; a RETRIEVE naming its leases from another session carries it
 
 
 class Store(msgspec.Struct, **_HOT):
@@ -205,6 +207,7 @@ class Retrieve(msgspec.Struct, **_HOT):
     deadline_ns: int = 0
     synced: bool = False
     by_layer: bool = False  # copy layer by layer and record the pool's layer events (CUDA IPC pools)
+    lease_token: bytes = b""  # lease_session's token (its LOOKUP replies carry it); needed unless it is this session
 
 
 class RetrieveReply(msgspec.Struct, **_HOT):
@@ -260,42 +263,119 @@ Reply = tuple[msgspec.Struct, list[Buffer]]
 
 
 class DepotProtocol(Protocol):
-    """What the server implements: one method per operation. ``peer`` is the ZMQ routing id."""
+    """What the server implements: one method per operation. ``peer`` is the ZMQ routing id.
+
+    The handler of a TRY_INLINE operation takes ``wait``: with ``wait=False`` (the loop thread)
+    it either finishes without waiting on a lock or I/O, or raises ``WouldBlock`` having changed
+    nothing. Every failure is raised as ``ProtocolError`` (or an error the service maps to one).
+    """
 
     def hello(self, peer: bytes, msg: Hello, payloads: Payloads) -> Reply: ...
     def register(self, peer: bytes, msg: Register, payloads: Payloads) -> Reply: ...
-    def lookup(self, peer: bytes, msg: Lookup, payloads: Payloads) -> Reply: ...
+    def lookup(self, peer: bytes, msg: Lookup, payloads: Payloads, *, wait: bool = True) -> Reply: ...
     def query_prefetch_status(self, peer: bytes, msg: QueryPrefetch, payloads: Payloads) -> Reply: ...
     def store(self, peer: bytes, msg: Store, payloads: Payloads) -> Reply: ...
     def retrieve(self, peer: bytes, msg: Retrieve, payloads: Payloads) -> Reply: ...
-    def release(self, peer: bytes, msg: Release, payloads: Payloads) -> Reply: ...
+    def release(self, peer: bytes, msg: Release, payloads: Payloads, *, wait: bool = True) -> Reply: ...
     def end_session(self, peer: bytes, msg: EndSession, payloads: Payloads) -> Reply: ...
     def ping(self, peer: bytes, msg: Ping, payloads: Payloads) -> Reply: ...
     def stats(self, peer: bytes, msg: GetStats, payloads: Payloads) -> Reply: ...
 
 
+class WouldBlock(Exception):  # noqa: N818 - a signal between the loop and a handler, not an error
+    """Raised by a TRY_INLINE handler called with ``wait=False`` that would have to wait: the
+    loop then hands the request to the pool, which calls the handler again with ``wait=True``."""
+
+
+class Exec(Enum):
+    """Where an operation runs; declared once per op in ``OPS``, read by the server's loop."""
+
+    INLINE = "inline"  # on the loop thread, always: cheap, never waits on a lock or I/O
+    TRY_INLINE = "try-inline"  # on the loop thread if the handler (``wait=False``) can finish now, else the pool
+    POOL = "pool"  # on the handler pool, always (copies, registration, anything that may wait)
+
+
+# ---- limits: what one message may carry --------------------------------------------------------
+# NOTE: decoding holds the GIL, so a legal maximum decoded on the pool still pauses the loop
+# thread: 16M tokens did for ~0.5 s (seconds on a loaded 2-core host). The limits are a few times
+# the longest prompts served (1M tokens), no more.
+MAX_KEYS = 1 << 16  # chunk keys in one message (a 16M-token prompt at chunk 256, 1M at chunk 16)
+MAX_TOKENS = 1 << 20  # tokens in one LOOKUP by tokens (our clients send keys)
+MAX_BLOCKS = 1 << 20  # block ids in one STORE/RETRIEVE
+INLINE_KEYS = 2048  # a LOOKUP with more keys runs on the pool: the loop thread serves everyone
+# Worst-case msgpack sizes: an int field 9 bytes, a bin or array header 5; a token (uint32) or a
+# block id (< 2**31) at most 5 bytes. A body frame longer than its op's bound cannot be legal, so
+# it is refused before anything is decoded.
+_INT, _HDR, _ID = 9, 5, 5
+_KEYS = _HDR + MAX_KEYS * 16
+_SMALL = 64  # a body of a few ints
+_COPY = _HDR + _KEYS + _HDR + MAX_BLOCKS * _ID + 6 * _INT + 3
+
+
 @dataclass(frozen=True)
 class OpSpec:
+    """One operation, declared once: its messages, handler, execution mode and size bounds."""
+
+    op: Op
     request: type[msgspec.Struct]
     reply: type[msgspec.Struct]
-    handler: str  # DepotProtocol method name
-    inline: bool  # runs on the socket's loop thread (cheap, never blocks) or on the pool
+    handler: str  # the ``DepotProtocol`` method; the server binds it once, at start (``bind``)
+    mode: Exec
+    max_body: int  # longest legal body frame, in bytes: longer is refused undecoded
+    inline_body: int = 0  # longest body decoded on the loop thread (INLINE/TRY_INLINE); longer: the pool
+    # (field position, most items, what) of the array-like body's lists and bins, read from their
+    # msgpack headers before decoding: 100M one-byte tokens fit the byte bound, not this one
+    counts: tuple[tuple[int, int, str], ...] = ()
 
 
-OPS: dict[int, OpSpec] = {
-    Op.HELLO: OpSpec(Hello, HelloReply, "hello", False),
-    Op.REGISTER: OpSpec(Register, RegisterReply, "register", False),
-    Op.LOOKUP: OpSpec(Lookup, PrefetchStatus, "lookup", False),
-    Op.QUERY_PREFETCH_STATUS: OpSpec(QueryPrefetch, PrefetchStatus, "query_prefetch_status", True),
-    Op.STORE: OpSpec(Store, StoreReply, "store", False),
-    Op.RETRIEVE: OpSpec(Retrieve, RetrieveReply, "retrieve", False),
-    Op.RELEASE: OpSpec(Release, Empty, "release", False),
-    Op.END_SESSION: OpSpec(EndSession, Empty, "end_session", False),
-    Op.PING: OpSpec(Ping, Pong, "ping", True),
-    Op.STATS: OpSpec(GetStats, StatsReply, "stats", False),
-}
+OPS: dict[int, OpSpec] = {spec.op: spec for spec in (
+    OpSpec(Op.HELLO, Hello, HelloReply, "hello", Exec.POOL, 4096),
+    OpSpec(Op.REGISTER, Register, RegisterReply, "register", Exec.POOL, 256 << 10),
+    OpSpec(Op.LOOKUP, Lookup, PrefetchStatus, "lookup", Exec.TRY_INLINE,
+           _HDR + _INT + _KEYS + _HDR + MAX_TOKENS * _ID + _INT, inline_body=_HDR + INLINE_KEYS * 16 + _SMALL,
+           counts=((1, MAX_KEYS * 16, "key bytes"), (2, MAX_TOKENS, "tokens"))),
+    OpSpec(Op.QUERY_PREFETCH_STATUS, QueryPrefetch, PrefetchStatus, "query_prefetch_status", Exec.INLINE,
+           _SMALL, _SMALL),
+    OpSpec(Op.STORE, Store, StoreReply, "store", Exec.POOL, _COPY,
+           counts=((0, MAX_KEYS * 16, "key bytes"), (1, MAX_BLOCKS, "block ids"))),
+    OpSpec(Op.RETRIEVE, Retrieve, RetrieveReply, "retrieve", Exec.POOL, _COPY,
+           counts=((0, MAX_KEYS * 16, "key bytes"), (1, MAX_BLOCKS, "block ids"))),
+    OpSpec(Op.RELEASE, Release, Empty, "release", Exec.TRY_INLINE, _SMALL, _SMALL),
+    OpSpec(Op.END_SESSION, EndSession, Empty, "end_session", Exec.POOL, _SMALL),
+    OpSpec(Op.PING, Ping, Pong, "ping", Exec.INLINE, _SMALL, _SMALL),
+    OpSpec(Op.STATS, GetStats, StatsReply, "stats", Exec.POOL, _SMALL),
+)}
 OP_OF: dict[type[msgspec.Struct], int] = {spec.request: op for op, spec in OPS.items()}
 assert len(OP_OF) == len(OPS), "every operation needs its own request type"
+
+Handler = Callable[[bytes, msgspec.Struct, Payloads], Reply]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """An operation's handlers on one implementation: ``run`` (may wait) and, for INLINE and
+    TRY_INLINE ops, ``now`` (for the loop thread: never waits, raises ``WouldBlock`` instead)."""
+
+    spec: OpSpec
+    run: Handler
+    now: Handler | None
+
+
+def bind(impl: DepotProtocol) -> dict[int, Bound]:
+    """Every operation's handlers on ``impl``, looked up once (a missing one fails here, at start)."""
+    table: dict[int, Bound] = {}
+    for op, spec in OPS.items():
+        method = getattr(impl, spec.handler, None)
+        if not callable(method):
+            raise TypeError(f"{type(impl).__name__} lacks DepotProtocol.{spec.handler} (op {op.name})")
+        now = None
+        if spec.mode is Exec.INLINE:
+            now = method
+        elif spec.mode is Exec.TRY_INLINE:
+            now = functools.partial(method, wait=False)
+        table[op] = Bound(spec, method, now)
+    return table
+
 
 def mp_namespace(
     model_id: str, kv_dtype: str, geometry: Sequence[int], chunk_size: int, tp_size: int, cache_salt: str

@@ -8,6 +8,8 @@ primitives' pre- and post-conditions; both engines pass ``tests/test_engine_cont
       probe(keys, skip_tokens=, lease=) -> Hit          LOOKUP (+ QUERY_PREFETCH_STATUS polling)
       lookup(...) -> int                    probe(...).tokens
       release(lease)                        fire-and-forget RELEASE
+      lease_token                           the secret this session's LOOKUP replies carry
+      handover(rid) -> Lease                a lease another process's retrieve(lease=) may name (with the token)
       promotion_done(lease) -> bool         QUERY_PREFETCH_STATUS
       store(keys, block_ids, stream=) -> handle (.done(), .wait(), .chunks)
       retrieve(keys, block_ids, skip_blocks=, num_blocks=, lease=, stream=) -> int
@@ -15,8 +17,8 @@ primitives' pre- and post-conditions; both engines pass ``tests/test_engine_cont
       retrieve_async(..., by_layer=) -> handle (.done(), .result(), .layered)
 
 Leases are ``engine_api.Lease``s (an int ``request_id``): a probe and a release name the caller's
-own session's lease; a load may name another session's (``Lease(rid, session=...)``: the worker
-loading under its scheduler's lease). The older forms (an int rid, a ``(session, rid)`` pair) are
+own session's lease; a load may name another session's (``Lease(rid, session=..., token=...)``: the
+worker loading under its scheduler's lease; without the token the server refuses the load). The older forms (an int rid, a ``(session, rid)`` pair) are
 still taken until the connectors have moved to ``Lease``.
 
 Per-layer block views (``transfer.base``: block ``b`` is ``views[0][b] ‖ views[1][b] ‖ …``, e.g.
@@ -71,7 +73,7 @@ logger = logging.getLogger("kvdepot")
 _RECENT_PROMPTS = 1024  # prompts whose tokens a KV-event server may still be sent
 
 REGISTER_TIMEOUT_S = 60.0
-AnyLease = Lease | int | tuple[int, int]  # the older forms go once the connectors pass ``Lease``
+AnyLease = Lease | int | tuple[int, int] | tuple[int, int, bytes]  # the older forms go once the connectors pass ``Lease``
 
 
 class _Handle:
@@ -141,6 +143,7 @@ class RemoteEngine:
         self._layout: PoolLayout | None = None
         self._hasher: ChunkHasher | None = None
         self.granted: p.RegisterReply | None = None
+        self.lease_token = b""  # the server's token for this session's leases (from the last LOOKUP)
         # KV events (server with kv_events_endpoint): the tokens of recent prompts, by last key, so
         # a lookup by keys can carry them to the server (docs/events.md).
         self._recent_tokens: OrderedDict[ChunkKey, Sequence[int]] = OrderedDict()
@@ -265,6 +268,7 @@ class RemoteEngine:
     def _probe(self, keys: Sequence[ChunkKey], skip_tokens: int, rid: int) -> Hit:
         try:
             status, _ = self.client.call(p.Lookup(rid, w.join_keys(keys), self._tokens_for(keys, None), skip_tokens))
+            self.lease_token = status.lease_token or self.lease_token  # type: ignore[attr-defined]
             deadline = time.monotonic() + self.prefetch_wait_s
             while not status.done and time.monotonic() < deadline:  # type: ignore[attr-defined]
                 time.sleep(0.0005)
@@ -280,6 +284,11 @@ class RemoteEngine:
     def lookup(self, keys: Sequence[ChunkKey], *, skip_tokens: int = 0, lease: AnyLease | None = None) -> int:
         """End (tokens from 0) of the run every rank holds; 0 on any failure."""
         return self.probe(keys, skip_tokens=skip_tokens, lease=lease).tokens
+
+    def handover(self, rid: int) -> Lease:
+        """The lease of request ``rid`` as another session (a worker process) names it in
+        ``retrieve(lease=...)``: without this session's token the server refuses the load."""
+        return Lease(rid, session=self.client.session_id, token=self.lease_token)
 
     def release(self, lease: AnyLease) -> None:
         rid = _wire_lease(lease, 0)[1]
@@ -340,11 +349,11 @@ class RemoteEngine:
         fallback = skip_blocks * self.tokens_per_block
         if not self.ready:
             return _Handle(None, fallback=fallback)
-        session, rid = _wire_lease(lease, self.client.session_id) if lease is not None else (0, None)
+        session, rid, token = _wire_lease(lease, self.client.session_id) if lease is not None else (0, None, b"")
         ids = list(block_ids)
         by_layer = by_layer and self.exported.layered
         msg = p.Retrieve(w.join_keys(keys), ids, skip_blocks, num_blocks, session, rid, self._deadline(),
-                         self.exported.before_copy(stream), by_layer)
+                         self.exported.before_copy(stream), by_layer, token)
         bulk = len(ids) * self._base.bytes_per_block if self.exported.kind == "bytes" else 0
         handle = _Handle(self.client.submit(msg, timeout=self._bulk_timeout(bulk)), fallback=fallback)
 
@@ -401,13 +410,14 @@ class RemoteEngine:
         self.exported.close()
 
 
-def _wire_lease(lease: AnyLease, own_session: int) -> tuple[int, int]:
-    """(session, request id) on the wire; a ``Lease`` of session 0 and a bare rid are the caller's."""
+def _wire_lease(lease: AnyLease, own_session: int) -> tuple[int, int, bytes]:
+    """(session, request id, token) on the wire; a ``Lease`` of session 0 and a bare rid are the
+    caller's own (no token needed); another session's lease travels with that session's token."""
     if isinstance(lease, Lease):
-        return lease.session or own_session, int(lease.request_id)
-    if isinstance(lease, tuple):  # the older (session, rid) form, sent as given
-        return int(lease[0]), int(lease[1])
-    return own_session, int(lease)
+        return lease.session or own_session, int(lease.request_id), lease.token
+    if isinstance(lease, tuple):  # the older (session, rid[, token]) form, sent as given
+        return int(lease[0]), int(lease[1]), bytes(lease[2]) if len(lease) > 2 else b""
+    return own_session, int(lease), b""
 
 
 def _on_stream(stream: Any, device: torch.device) -> Any:

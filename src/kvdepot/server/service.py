@@ -4,10 +4,12 @@ Transport-free: ``handle(peer, frames)`` takes a request's frames and returns th
 the ZMQ loop (``server.py``) and tests drive the same code. Every failure becomes an error
 reply with a code and a message; nothing a client sends can take the service down.
 
-``try_inline`` answers on the caller's (the loop's) thread what cannot block: the operations the
-protocol declares inline (PING, QUERY_PREFETCH_STATUS), and LOOKUP (by keys, at most
-``INLINE_KEYS``) and RELEASE when every engine involved has no lower tier (disk/Redis lookups
-may wait on I/O) and its lock is free right now; anything else is left for the pool (None).
+Each operation's handler is bound once, at construction (``protocol.bind``), and where it runs
+is the protocol's word (``OpSpec.mode``): ``try_inline`` answers on the caller's (the loop's)
+thread the INLINE operations (PING, QUERY_PREFETCH_STATUS) and tries the TRY_INLINE ones with
+``wait=False`` — LOOKUP (by keys, at most ``protocol.INLINE_KEYS``) and RELEASE finish there when
+every engine involved has no lower tier (disk/Redis lookups may wait on I/O) and its lock is
+free right now; anything else is left for the pool (None).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import Any
 
 import msgspec
 import torch
@@ -29,29 +30,15 @@ from kvdepot.config import DepotConfig
 from kvdepot.errors import ConfigError, LayoutError
 from kvdepot.events.publisher import publisher_from_config
 from kvdepot.keys import KEY_BYTES
-from kvdepot.layout import PoolLayout
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
-from kvdepot.server.ipc import (
-    MAX_LAYER_EVENTS,
-    IpcError,
-    device_by_uuid,
-    frame_tensor,
-    open_pool,
-    torch_dtype,
-)
+from kvdepot.server.ipc import IpcError, frame_tensor
 from kvdepot.server.protocol import ErrorCode, ProtocolError
+from kvdepot.server.registry import Registry
 from kvdepot.server.session import Registration, Session
-from kvdepot.server.shard import Group
 from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
-
-MAX_CHUNKS = 1 << 20  # keys in one message (a 256M-token prompt at chunk 256)
-INLINE_KEYS = 2048  # a longer LOOKUP runs on the pool: the loop thread serves everyone
-MAX_BLOCKS = 1 << 22
-_LIMITS = {"tp_size": 4096, "num_blocks": 1 << 31, "num_layers": 4096, "block_elems": 1 << 31,
-           "tokens_per_block": 1 << 20, "bytes_per_block": 1 << 36}
 
 
 class DepotService:
@@ -66,41 +53,55 @@ class DepotService:
         self.started = time.monotonic()
         self._lock = threading.Lock()  # the tables below; held only for dict operations
         self._sessions: dict[bytes, Session] = {}
-        self._groups: dict[tuple[str, str], Group] = {}
-        self._sids = itertools.count(1)
         self.events = publisher_from_config(config)  # one KV-event publisher for every engine here
+        self.registry = Registry(config, allow_shm=self.allow_shm, events=self.events)  # groups, host budget
+        self._sids = itertools.count(1)
+        self._handlers = p.bind(self)  # every operation's handler, looked up once
 
     # ---- dispatch -----------------------------------------------------------------------------
     def handle(self, peer: bytes, frames: Sequence[p.Buffer]) -> list[p.Buffer]:
         """Reply frames for one request's frames; never raises."""
         try:
-            header, spec, msg, payloads = w.parse_request(frames)
+            header, spec = w.parse_header(frames)
         except ProtocolError as exc:
             return w.error_frames(exc.req_id, exc.code, exc.message)
-        return self.dispatch(peer, header.req_id, spec, msg, payloads)
+        return self.decode_and_dispatch(peer, header.req_id, spec, frames[1], frames[2:])
+
+    def decode_and_dispatch(self, peer: bytes, req_id: int, spec: p.OpSpec, body: p.Buffer,
+                            payloads: p.Payloads) -> list[p.Buffer]:
+        """Decode a body ``wire.parse_header`` has bounded, then run it (on the pool: a large body
+        is decoded here, never on the loop thread); every failure becomes an error reply."""
+        try:
+            msg = w.decode_body(p.RequestHeader(spec.op, req_id), spec, body)
+        except ProtocolError as exc:
+            return w.error_frames(req_id, exc.code, exc.message)
+        except Exception as exc:  # the server boundary (MemoryError included): answer, keep serving
+            return _internal(req_id, exc)
+        return self.dispatch(peer, req_id, spec, msg, payloads)
 
     def dispatch(self, peer: bytes, req_id: int, spec: p.OpSpec, msg: msgspec.Struct,
                  payloads: p.Payloads) -> list[p.Buffer]:
         """Run one parsed request's handler; every failure becomes an error reply."""
-        return self._run(getattr(self, spec.handler), peer, req_id, msg, payloads)
+        return self._run(self._handlers[spec.op].run, peer, req_id, msg, payloads)
 
     def try_inline(self, peer: bytes, req_id: int, spec: p.OpSpec, msg: msgspec.Struct,
                    payloads: p.Payloads) -> list[p.Buffer] | None:
-        """The reply frames if the request can be answered now without blocking, else None."""
-        name = spec.handler if spec.inline else _NOW.get(spec.handler)
-        if name is None:
+        """The reply frames if the operation's mode lets it run on this (the loop's) thread and it
+        can finish now without waiting; else None, and nothing was done."""
+        now = self._handlers[spec.op].now
+        if now is None:
             return None
         try:
-            return self._run(getattr(self, name), peer, req_id, msg, payloads)
-        except _WouldBlock:
+            return self._run(now, peer, req_id, msg, payloads)
+        except p.WouldBlock:
             return None
 
-    def _run(self, handler: Any, peer: bytes, req_id: int, msg: msgspec.Struct,
+    def _run(self, handler: p.Handler, peer: bytes, req_id: int, msg: msgspec.Struct,
              payloads: p.Payloads) -> list[p.Buffer]:
         try:
             reply, out = handler(peer, msg, payloads)
             return w.reply_frames(req_id, reply, out)
-        except _WouldBlock:
+        except p.WouldBlock:
             raise
         except ProtocolError as exc:
             return w.error_frames(req_id, exc.code, exc.message)
@@ -108,9 +109,8 @@ class DepotService:
             return w.error_frames(req_id, ErrorCode.BAD_REQUEST, str(exc))
         except IpcError as exc:
             return w.error_frames(req_id, ErrorCode.UNSUPPORTED, str(exc))
-        except Exception as exc:  # the server boundary: log, answer, keep serving
-            logger.exception("kvdepot server: request %d failed", req_id)
-            return w.error_frames(req_id, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # the server boundary (MemoryError included): log, answer, keep serving
+            return _internal(req_id, exc)
 
     def _session(self, peer: bytes) -> Session:
         with self._lock:
@@ -133,7 +133,7 @@ class DepotService:
             old = self._sessions.get(peer)
             self._sessions[peer] = session
         if old is not None:
-            old.close()
+            self._close(old)
         logger.info("kvdepot server: %s opened", session)
         return p.HelloReply(p.PROTOCOL_VERSION, session.sid, self.server_id, os.getpid()), []
 
@@ -142,11 +142,16 @@ class DepotService:
         self._drop(session)
         return p.Empty(), []
 
-    def _drop(self, session: Session) -> None:
+    def _drop(self, session: Session, *, reaped: bool = False) -> None:
         with self._lock:
             if self._sessions.get(session.peer) is session:
                 del self._sessions[session.peer]
-        session.close()
+        self._close(session, reaped=reaped)
+
+    def _close(self, session: Session, drain_s: float = 30.0, *, reaped: bool = False) -> None:
+        reg = session.close(drain_s, reaped=reaped)
+        if reg is not None:
+            self.registry.leave(reg)
 
     def ping(self, peer: bytes, msg: p.Ping, payloads: p.Payloads) -> p.Reply:
         self._session(peer)
@@ -154,91 +159,42 @@ class DepotService:
 
     # ---- registration -----------------------------------------------------------------------
     def register(self, peer: bytes, msg: p.Register, payloads: p.Payloads) -> p.Reply:
-        session = self._session(peer)
-        for name, limit in _LIMITS.items():
-            if not 0 < getattr(msg, name) <= limit:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: {name}={getattr(msg, name)} not in 1..{limit}")
-        if not 0 <= msg.tp_rank < msg.tp_size or len(msg.model_id) > 1024 or len(msg.cache_salt) > 1024:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: tp_rank {msg.tp_rank} / tp_size {msg.tp_size} or ids invalid")
-        try:
-            dtype = torch_dtype(msg.dtype)
-        except IpcError as exc:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, str(exc)) from None
-        try:
-            layout = PoolLayout(msg.num_blocks, msg.num_layers, msg.kv_factor, msg.block_elems, dtype,
-                                msg.tokens_per_block, self.config.chunk_size)
-        except LayoutError as exc:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: {exc} (the server's chunk_size is "
-                                f"{self.config.chunk_size}; start it with --chunk-size to change it)") from None
-        if layout.bytes_per_block != msg.bytes_per_block:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: bytes_per_block {msg.bytes_per_block} != "
-                                f"{layout.bytes_per_block} computed from the geometry")
-        layer_events = len(getattr(msg.pool, "layer_events", ()))
-        if layer_events not in (0, layout.num_layers) or layer_events > MAX_LAYER_EVENTS:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"REGISTER: {layer_events} layer events for {layout.num_layers} "
-                                f"layers (none, or one per layer up to {MAX_LAYER_EVENTS})")
-        group = self._group(msg, layout)
-        shard = group.shard(msg.tp_rank, layout, _cuda_index(msg.pool))
-        shape = (layout.num_blocks, layout.num_layers, layout.kv_factor, layout.block_elems)
-        pool = open_pool(msg.pool, shape, dtype, allow_shm=self.allow_shm)
-        session.install(Registration(group, shard, layout, pool), self.session_timeout_s)
-        logger.info("kvdepot server: %s registered rank %d/%d of %s (%s pool, %d blocks of %d B)", session,
-                    msg.tp_rank, msg.tp_size, group.name, pool.kind, layout.num_blocks, layout.bytes_per_block)
-        host_blocks = shard.engine.host.num_slots * layout.blocks_per_chunk
-        disk_blocks = int(group.config.disk_capacity_gb * 1e9) // layout.bytes_per_block if group.config.disk_path else 0
-        return p.RegisterReply(self.config.chunk_size, self.config.hash_algo, host_blocks, disk_blocks,
-                               group.hasher.seed, group.name, self.events is not None), []
-
-    def _group(self, msg: p.Register, layout: PoolLayout) -> Group:
-        with self._lock:
-            group = self._groups.get((msg.model_id, msg.cache_salt))
-            if group is None:
-                group = self._groups[(msg.model_id, msg.cache_salt)] = Group(msg, layout, self.config, self.events)
-                return group
-        group.check(msg, layout)
-        return group
+        return self.registry.register(self._session(peer), msg, self.session_timeout_s), []
 
     # ---- lookups ------------------------------------------------------------------------------
-    def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads, *, now: bool = False) -> p.Reply:
-        if now and ((msg.tokens and not msg.keys) or len(msg.keys) > INLINE_KEYS * KEY_BYTES):
-            raise _WouldBlock  # hashing tokens, or a very long prompt: not on the loop thread
+    def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads, *, wait: bool = True) -> p.Reply:
+        if not wait and ((msg.tokens and not msg.keys) or len(msg.keys) > p.INLINE_KEYS * KEY_BYTES):
+            raise p.WouldBlock  # hashing tokens, or a very long prompt: not on the loop thread
         session = self._session(peer)
         reg = session.registration()
-        if len(msg.keys) > MAX_CHUNKS * KEY_BYTES or len(msg.tokens) > MAX_CHUNKS * 16 or msg.skip_tokens < 0:
+        if len(msg.keys) > p.MAX_KEYS * KEY_BYTES or len(msg.tokens) > p.MAX_TOKENS or msg.skip_tokens < 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "LOOKUP: too many keys/tokens or a negative skip")
         keys = w.split_keys(msg.keys) if msg.keys else reg.group.hasher.chunk_keys(msg.tokens)
         if msg.tokens:  # the edge, server side: only chunks with known tokens are announced
             reg.shard.engine.describe(keys, msg.tokens)
         lease = session.lease(msg.request_id)
-        hit = reg.group.try_probe(keys, msg.skip_tokens, lease) if now else reg.group.probe(keys, msg.skip_tokens, lease)
+        hit = reg.group.probe(keys, msg.skip_tokens, lease) if wait else reg.group.try_probe(keys, msg.skip_tokens, lease)
         if hit is None:
-            raise _WouldBlock
+            raise p.WouldBlock
         matched, ready = hit
         # Chunks found only in disk/Redis are being promoted into host memory: pending until then.
         status = p.PrefetchStatus(ready >= matched, matched, ready)
         session.put_prefetch(msg.request_id, status, self.config.lease_timeout_s)
-        return status, []
-
-    def lookup_now(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads) -> p.Reply:
-        return self.lookup(peer, msg, payloads, now=True)
+        return p.PrefetchStatus(status.done, matched, ready, session.token), []
 
     def query_prefetch_status(self, peer: bytes, msg: p.QueryPrefetch, payloads: p.Payloads) -> p.Reply:
         return self._session(peer).get_prefetch(msg.request_id), []
 
-    def release(self, peer: bytes, msg: p.Release, payloads: p.Payloads) -> p.Reply:
-        self._session(peer).drop_prefetch(msg.request_id)
-        return p.Empty(), []
-
-    def release_now(self, peer: bytes, msg: p.Release, payloads: p.Payloads) -> p.Reply:
-        if not self._session(peer).drop_prefetch(msg.request_id, now=True):
-            raise _WouldBlock
+    def release(self, peer: bytes, msg: p.Release, payloads: p.Payloads, *, wait: bool = True) -> p.Reply:
+        if not self._session(peer).drop_prefetch(msg.request_id, wait=wait):
+            raise p.WouldBlock
         return p.Empty(), []
 
     # ---- copies -------------------------------------------------------------------------------
     @staticmethod
     def _check_copy(keys: bytes, block_ids: list[int]) -> list[bytes]:
-        if not 0 < len(block_ids) <= MAX_BLOCKS or len(keys) > MAX_CHUNKS * KEY_BYTES:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"1..{MAX_BLOCKS} blocks and at most {MAX_CHUNKS} keys per copy")
+        if not 0 < len(block_ids) <= p.MAX_BLOCKS or len(keys) > p.MAX_KEYS * KEY_BYTES:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"1..{p.MAX_BLOCKS} blocks and at most {p.MAX_KEYS} keys per copy")
         return w.split_keys(keys)
 
     def _payload_pool(self, reg: Registration, rows: int, payload: p.Buffer | None) -> torch.Tensor:
@@ -281,7 +237,7 @@ class DepotService:
             keys = self._check_copy(msg.keys, msg.block_ids)
             if msg.skip_blocks < 0 or (msg.num_blocks is not None and msg.num_blocks < 0):
                 raise ProtocolError(ErrorCode.BAD_REQUEST, f"skip_blocks {msg.skip_blocks} / num_blocks {msg.num_blocks} < 0")
-            lease = ("lease", msg.lease_session, msg.request_id) if msg.request_id is not None else None
+            lease = self._lease(session, msg)
             B = reg.layout.tokens_per_block
             if reg.pool.tensor is None:
                 reg.layout.check_block_ids(msg.block_ids)
@@ -310,6 +266,19 @@ class DepotService:
         finally:
             session.end_op()
 
+    def _lease(self, session: Session, msg: p.Retrieve) -> tuple[str, int, int] | None:
+        """The lease a RETRIEVE names: this session's, or another's whose token it carries."""
+        if msg.request_id is None:
+            return None
+        owner = msg.lease_session or session.sid
+        if owner != session.sid:
+            with self._lock:
+                other = next((s for s in self._sessions.values() if s.sid == owner), None)
+            if other is None or not other.grants(msg.lease_token):
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"RETRIEVE names a lease of session {owner} without "
+                                    "that session's token (pass the lease_token its LOOKUP returned)")
+        return ("lease", owner, msg.request_id)
+
     # ---- upkeep and figures ----------------------------------------------------------------------
     def reap(self) -> None:
         """Close sessions silent for ``session_timeout_s``; drop lookups past their lease timeout."""
@@ -320,7 +289,7 @@ class DepotService:
             if now - session.last_seen > self.session_timeout_s:
                 logger.warning("kvdepot server: %s silent for %.1f s; releasing its leases and pool",
                                session, now - session.last_seen)
-                self._drop(session)
+                self._drop(session, reaped=True)
             else:
                 session.expire_prefetch(now)
 
@@ -330,9 +299,7 @@ class DepotService:
             self._sessions.clear()
         for session in sessions:
             session.close(drain_s=5.0)
-        for group in list(self._groups.values()):
-            for shard in group.shards.values():
-                shard.engine.close()
+        self.registry.close()
         if self.events is not None:
             self.events.close()
 
@@ -343,7 +310,7 @@ class DepotService:
     def snapshot(self) -> p.StatsReply:
         with self._lock:
             sessions = list(self._sessions.values())
-            groups = list(self._groups.values())
+        groups = self.registry.groups()
         shards = [p.ShardStats(group.name, rank, _figures(shard.engine.stats()))
                   for group in groups for rank, shard in sorted(group.shards.items())]
         mappings = sum(1 for s in sessions if s.reg is not None and s.reg.pool.tensor is not None)
@@ -352,11 +319,9 @@ class DepotService:
                             len(sessions), mappings, prefetches, shards)
 
 
-class _WouldBlock(Exception):  # a signal between try_inline and its handlers, not an error
-    """The operation cannot finish without waiting: run it on the pool instead."""
-
-
-_NOW = {"lookup": "lookup_now", "release": "release_now"}  # non-blocking variants, for try_inline
+def _internal(req_id: int, exc: Exception) -> list[p.Buffer]:
+    logger.error("kvdepot server: request %d failed", req_id, exc_info=exc)
+    return w.error_frames(req_id, ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
 def _figures(stats: object) -> dict[str, float]:
@@ -370,16 +335,6 @@ def _figures(stats: object) -> dict[str, float]:
                 name = row.get("name", "tier") if isinstance(row, dict) else "tier"
                 out.update({f"{name}_{k}": float(v) for k, v in row.items() if isinstance(v, (int, float))})
     return out
-
-
-def _cuda_index(desc: p.PoolDesc) -> int | None:
-    """The local index of a CUDA pool's GPU, or None (not CUDA, or not visible here)."""
-    if not isinstance(desc, p.CudaIpcPool) or not torch.cuda.is_available():
-        return None
-    try:
-        return device_by_uuid(desc.device_uuid)
-    except IpcError:
-        return None
 
 
 def _device(tensor: torch.Tensor):  # type: ignore[no-untyped-def]

@@ -1,5 +1,9 @@
 """One client's state on the server: its registration, mapped pool, lookups, and in-flight copies.
 
+A session's leases are its own: another session may name them (a vLLM worker loads under its
+scheduler's lease) only with the session's ``token``, a random secret its LOOKUP replies carry —
+session ids are sequential and guessable, the token is not.
+
 A session starts with HELLO and ends with END_SESSION, a new HELLO from the same peer, or
 ``session_timeout_s`` without any message (a client killed with -9 sends nothing, so its
 heartbeats stop). Closing a session releases its leases and prefetch entries, waits for its
@@ -9,7 +13,10 @@ handle, shared file) — in that order, so no copy ever touches unmapped memory.
 
 from __future__ import annotations
 
+import hmac
 import logging
+import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +54,7 @@ class Session:
         self.reg: Registration | None = None
         self.prefetch: dict[int, Prefetch] = {}
         self.closed = False
+        self.token = secrets.token_bytes(16)  # who holds it may use this session's leases
         self._ops = 0
         self._cond = threading.Condition()
 
@@ -55,6 +63,10 @@ class Session:
 
     def lease(self, request_id: int) -> tuple[str, int, int]:
         return ("lease", self.sid, request_id)
+
+    def grants(self, token: bytes) -> bool:
+        """Whether ``token`` is this session's (constant time: no byte-by-byte guessing)."""
+        return not self.closed and hmac.compare_digest(token, self.token)
 
     # ---- data operations --------------------------------------------------------------------
     def begin_op(self) -> Registration:
@@ -78,8 +90,9 @@ class Session:
             raise ProtocolError(ErrorCode.NOT_REGISTERED, "REGISTER a KV pool before LOOKUP")
         return reg
 
-    def install(self, reg: Registration, drain_s: float) -> None:
-        """Replace the registration (a worker re-registering); the old pool is unmapped."""
+    def install(self, reg: Registration, drain_s: float) -> Registration | None:
+        """Replace the registration (a worker re-registering); the old pool is unmapped and the
+        old registration returned (its group loses a member)."""
         with self._cond:
             if self.closed:
                 reg.pool.close()
@@ -88,6 +101,7 @@ class Session:
         if old is not None:
             self._drain(drain_s)
             _unmap(old)
+        return old
 
     # ---- lookups ------------------------------------------------------------------------------
     def put_prefetch(self, request_id: int, status: PrefetchStatus, ttl_s: float) -> None:
@@ -114,17 +128,16 @@ class Session:
             entry.status = PrefetchStatus(True, ready, ready)
         return entry.status
 
-    def drop_prefetch(self, request_id: int, *, now: bool = False) -> bool:
-        """Drop a lookup's state and leases; with ``now``, only if no engine lock must be waited
-        for (False, and nothing dropped, otherwise)."""
+    def drop_prefetch(self, request_id: int, *, wait: bool = True) -> bool:
+        """Drop a lookup's state and leases; without ``wait``, only if no engine lock must be
+        waited for (False, and nothing dropped, otherwise)."""
         reg = self.reg
         if reg is not None:
             lease = self.lease(request_id)
-            if now:
-                if not reg.group.try_release(lease):
-                    return False
-            else:
+            if wait:
                 reg.group.release(lease)
+            elif not reg.group.try_release(lease):
+                return False
         with self._cond:
             self.prefetch.pop(request_id, None)
         return True
@@ -141,11 +154,16 @@ class Session:
         with self._cond:
             return self._cond.wait_for(lambda: self._ops == 0, timeout=timeout_s)
 
-    def close(self, drain_s: float = 30.0) -> None:
-        """Release leases, wait for in-flight copies, unmap. Idempotent."""
+    def close(self, drain_s: float = 30.0, *, reaped: bool = False) -> Registration | None:
+        """Release leases, wait for in-flight copies, unmap; the registration so released is
+        returned (None: there was none, or it stays mapped). Idempotent.
+
+        ``reaped`` (the client went silent): if its process is gone too, its shared pool file is
+        removed — a client killed with -9 cannot, and the file would hold its memory for good.
+        """
         with self._cond:
             if self.closed:
-                return
+                return None
             self.closed = True
             rids = list(self.prefetch)
             self.prefetch.clear()
@@ -156,10 +174,26 @@ class Session:
         if not self._drain(drain_s):
             # A copy that never finishes (a hung GPU) must not become a crash: keep the mapping.
             logger.error("kvdepot: %s still has copies in flight after %.0f s; its pool stays mapped", self, drain_s)
-            return
+            return None
         self.reg = None
         if reg is not None:
             _unmap(reg)
+            if reaped and not _alive(self.pid) and reg.pool.remove_file():
+                logger.info("kvdepot server: removed the shared pool file of %s (its process is gone)", self)
+        return reg
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (unknown, 0, counts as alive: nothing is removed then)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that pid
+        return True
+    return True
 
 
 def _unmap(reg: Registration) -> None:

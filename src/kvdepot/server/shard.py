@@ -2,7 +2,8 @@
 
     Group    one model (model id + cache salt): its geometry, TP size and key namespace; a worker
              whose geometry differs is refused. ``lookup`` hits only where *every* rank holds the
-             chunk, so a TP engine never loads a prefix that some rank lacks.
+             chunk, so a TP engine never loads a prefix that some rank lacks. Every shard's host
+             arena draws on the server's one ``Budget`` (``registry.HostBudget``).
     Shard    one rank of a group: a ``CacheEngine`` whose host tier outlives clients. Workers of
              several engine instances may register the same rank; their pools differ, so each copy
              attaches the caller's pool to the engine first (``register_pool``), serialized by
@@ -33,6 +34,7 @@ from kvdepot.events.publisher import KVEventPublisher
 from kvdepot.keys import ChunkHasher, ChunkKey
 from kvdepot.layout import PoolLayout
 from kvdepot.server.protocol import ErrorCode, ProtocolError, Register, mp_namespace
+from kvdepot.storage.host import Budget
 from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
@@ -50,6 +52,7 @@ class Shard:
         # Every shard reports to the server's one publisher, as its own holder (events/catalog.py).
         events = group.events.sink((group.name, rank)) if group.events is not None else NULL_SINK
         self.engine = CacheEngine(layout, config, namespace=namespace, events=events)
+        self.engine.host.share_budget(group.budget)  # the server's one host budget, for every group
         self.lock = threading.Lock()
         self._attached: torch.Tensor | None = None
         self._placeholder = torch.empty(
@@ -83,6 +86,11 @@ class Shard:
                 self._detach_locked()
             else:
                 self.engine.wait_all()
+
+    def close(self) -> None:
+        """Finish the engine's work and give its host memory back to the server's budget."""
+        self.engine.close()
+        self.engine.host.close()
 
     def store(
         self, pool: torch.Tensor, keys: Sequence[ChunkKey], block_ids: Sequence[int], stream: object = None,
@@ -125,8 +133,9 @@ class Shard:
 class Group:
     """One model's shards; the first registration fixes its geometry and TP size."""
 
-    def __init__(self, msg: Register, layout: PoolLayout, config: DepotConfig,
+    def __init__(self, msg: Register, layout: PoolLayout, config: DepotConfig, budget: Budget | None = None,
                  events: KVEventPublisher | None = None) -> None:
+        self.budget = budget
         self.model_id, self.cache_salt = msg.model_id, msg.cache_salt
         self.events = events
         self.name = msg.model_id + (f"#{msg.cache_salt}" if msg.cache_salt else "")
@@ -159,6 +168,11 @@ class Group:
             if shard is None:
                 shard = self.shards[rank] = Shard(layout, self.config, self, rank, device)
             return shard
+
+    def close(self) -> None:
+        """Close every shard (no session uses the group any more)."""
+        for shard in list(self.shards.values()):
+            shard.close()
 
     @property
     def complete(self) -> bool:

@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -29,6 +30,18 @@ from kvdepot.storage.base import TierStats
 from kvdepot.storage.policy import POLICIES
 
 SEGMENT_BYTES = 128 << 20  # grow the arena 128 MiB (or one slot, if larger) at a time
+
+
+class Budget(Protocol):
+    """Bytes several arenas share (the kvdepot server's one host budget for all its models)."""
+
+    total: int
+
+    def take(self, want: int, unit: int) -> int:
+        """Up to ``want`` bytes in whole ``unit``s; 0 when not one unit is left."""
+        ...
+
+    def give(self, nbytes: int) -> None: ...
 
 
 @dataclass
@@ -73,6 +86,29 @@ class HostTier:
         self._clock = clock
         self._events = events  # told of every chunk that becomes READY and every READY one dropped
         self._stats = TierStats(name=self.name, capacity_bytes=self.num_slots * slot_bytes)
+        self._budget: Budget | None = None
+        self._taken = 0  # bytes of the segments taken from the budget
+
+    def share_budget(self, budget: Budget | None) -> None:
+        """Take every segment from ``budget`` too (before any is allocated): a segment is cut
+        short to what the budget has left, and none is allocated when it has nothing left.
+        Segments shrink to 1/16 of the budget at most, so the first arena to grow does not take
+        the whole budget for a few chunks."""
+        if self._allocated:
+            raise ValueError("share_budget: the arena has memory already")
+        self._budget = budget
+        if budget is not None:
+            self._per_segment = max(1, min(self._per_segment, budget.total // 16 // self.slot_bytes))
+
+    def close(self) -> None:
+        """Drop the arena's memory and give it back to the budget; the tier holds nothing after
+        (its owner has finished every copy). Idempotent."""
+        if self._budget is not None:
+            self._budget.give(self._taken)
+        self._taken = 0
+        self._segments, self._slot_views, self._free = [], [], []
+        self._slot_of, self._ready, self._pins, self._leases = {}, set(), {}, {}
+        self._allocated = self.num_slots = 0
 
     # ---- slots -------------------------------------------------------------------------
     def slot(self, key: ChunkKey) -> torch.Tensor:
@@ -84,7 +120,7 @@ class HostTier:
         if self._allocated >= self.num_slots:
             return None
         count = min(self._per_segment, self.num_slots - self._allocated)
-        return (count, self.slot_bytes)  # only the last segment is short: divmod addressing holds
+        return (count, self.slot_bytes)  # slots are reached through their views: segments may differ in size
 
     def wants_segment(self) -> bool:
         """Free slots are running low and the arena may still grow: allocate ahead (off-thread)."""
@@ -93,12 +129,31 @@ class HostTier:
     def allocate_segment(self) -> torch.Tensor | None:
         """Memory for the next segment. Pinning is slow (~GB/s), so callers may run this off-lock."""
         shape = self.next_segment_shape()
-        return None if shape is None else torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+        if shape is None:
+            return None
+        if self._budget is not None:
+            count = self._budget.take(shape[0] * self.slot_bytes, self.slot_bytes) // self.slot_bytes
+            if not count:
+                return None
+            shape = (count, self.slot_bytes)
+        try:
+            return torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+        except BaseException:
+            if self._budget is not None:
+                self._budget.give(shape[0] * self.slot_bytes)
+            raise
 
     def add_segment(self, segment: torch.Tensor) -> bool:
         """Adopt memory from ``allocate_segment``; refused if it no longer fits the arena."""
-        if self.next_segment_shape() != tuple(segment.shape):
+        want = self.next_segment_shape()
+        nbytes = segment.shape[0] * segment.shape[1]
+        fits = want == tuple(segment.shape) or (
+            self._budget is not None and want is not None and segment.shape[1] == want[1] and segment.shape[0] <= want[0])
+        if not fits:
+            if self._budget is not None:
+                self._budget.give(nbytes)
             return False
+        self._taken += nbytes if self._budget is not None else 0
         count = segment.shape[0]
         self._segments.append(segment)
         self._slot_views.extend(segment.unbind(0))

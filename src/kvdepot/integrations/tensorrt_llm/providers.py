@@ -55,6 +55,10 @@ class EngineProvider(Protocol):
         """The server session the scheduler's leases are taken in (0: in-process)."""
         ...
 
+    def lease_token(self) -> bytes:
+        """That session's token, which the worker names its leases with (empty in-process)."""
+        ...
+
 
 class InProcess:
     """kvdepot's ``CacheEngine`` in this process: this rank's pool only, so no hits under TP."""
@@ -90,6 +94,9 @@ class InProcess:
     def session(self) -> int:
         return 0
 
+    def lease_token(self) -> bytes:
+        return b""
+
 
 class ViaServer:
     """A ``RemoteEngine``: every rank registers its shard with ``kvdepot server``, which copies."""
@@ -116,6 +123,10 @@ class ViaServer:
     def session(self) -> int:
         remote = current_remote()
         return remote.client.session_id if remote is not None else 0
+
+    def lease_token(self) -> bytes:
+        remote = current_remote()
+        return remote.lease_token if remote is not None else b""
 
 
 def _client(url: str, config: DepotConfig) -> DepotClient:

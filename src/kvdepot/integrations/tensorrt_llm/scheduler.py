@@ -96,7 +96,8 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
             state.block_ids = list(block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvDepotMetadata:
-        meta = KvDepotMetadata(finished=self._finished, lease_session=self._provider.session())
+        meta = KvDepotMetadata(finished=self._finished, lease_session=self._provider.session(),
+                               lease_token=self._provider.lease_token())
         self._finished = []
         engine = self._provider.current()
         if engine is None:

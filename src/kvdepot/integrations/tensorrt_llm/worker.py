@@ -94,7 +94,7 @@ class KvDepotWorker(KvCacheConnectorWorker):
             state = self._requests.setdefault(item.request_id, _WorkerRequest())
             state.keys.extend(item.new_keys)
             state.block_ids.extend(item.new_block_ids)
-            lease = Lease(item.request_id, session=meta.lease_session)
+            lease = Lease(item.request_id, session=meta.lease_session, token=meta.lease_token)
             if item.load_num_blocks and item.load_async:
                 self._parked[item.request_id] = _ParkedLoad(item, lease)
             elif item.load_num_blocks:

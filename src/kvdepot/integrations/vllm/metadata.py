@@ -43,6 +43,7 @@ class KvDepotVllmMetadata(KVConnectorMetadata):
     requests: list[VllmRequestMeta] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     lease_session: int = 0  # server mode: the scheduler's session, which holds the lookups' leases
+    lease_token: bytes = b""  # ... and its token: without it the server refuses the worker's loads
 
 
 @dataclass

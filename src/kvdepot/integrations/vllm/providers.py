@@ -83,6 +83,10 @@ class EngineProvider(Protocol):
         """The server session the scheduler's leases are taken in (0: in-process)."""
         ...
 
+    def lease_token(self) -> bytes:
+        """That session's token, which the worker names its leases with (empty in-process)."""
+        ...
+
     def lease_id(self, request_id: str) -> int | str:
         """The lease's request id for vLLM's request id, the same in both halves."""
         ...
@@ -136,6 +140,9 @@ class InProcess:
 
     def session(self) -> int:
         return 0
+
+    def lease_token(self) -> bytes:
+        return b""
 
     def lease_id(self, request_id: str) -> int | str:
         return request_id
@@ -230,6 +237,9 @@ class ViaServer:
 
     def session(self) -> int:
         return self._client.session_id if self._client is not None else 0
+
+    def lease_token(self) -> bytes:
+        return self._lookups.lease_token if self._lookups is not None else b""
 
     def lease_id(self, request_id: str) -> int | str:
         return lease_id(request_id)

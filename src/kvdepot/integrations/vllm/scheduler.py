@@ -130,7 +130,7 @@ class Scheduler:
 
     def build_meta(self, scheduler_output: Any) -> KvDepotVllmMetadata:
         meta = KvDepotVllmMetadata(preempted=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()),
-                                   lease_session=self._provider.session())
+                                   lease_session=self._provider.session(), lease_token=self._provider.lease_token())
         for rid in meta.preempted:
             # vLLM freed its blocks and the worker drops its state: whatever it saved is
             # cached already, and request_finished must not hold blocks it no longer has.

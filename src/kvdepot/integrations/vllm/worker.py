@@ -47,7 +47,7 @@ class Worker:
         self._setup = setup
         self._provider = setup.provider()
         self._engine: Engine | None = None
-        self._lease_session = 0  # the scheduler's server session, from this step's metadata
+        self._lease_session, self._lease_token = 0, b""  # the scheduler's server session and token, from this step's metadata
         self._requests: dict[str, WorkerRequest] = {}
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
@@ -83,7 +83,7 @@ class Worker:
 
     def _lease(self, rid: str) -> Lease:
         """The scheduler's lease for the request (taken in its session, named in the metadata)."""
-        return Lease(self._provider.lease_id(rid), session=self._lease_session)
+        return Lease(self._provider.lease_id(rid), session=self._lease_session, token=self._lease_token)
 
     # ---- per step ------------------------------------------------------------------------
     def preempted(self, meta: KvDepotVllmMetadata) -> None:
@@ -99,7 +99,7 @@ class Worker:
         engine = self._engine
         if engine is None:
             return
-        self._lease_session = meta.lease_session
+        self._lease_session, self._lease_token = meta.lease_session, meta.lease_token
         for item in meta.requests:
             state = self._requests.get(item.request_id)
             if item.reset or state is None:
