@@ -88,7 +88,8 @@ class DepotConfig:
 def _check_remote(config: DepotConfig) -> None:
     """``remote_url`` must be a URL redis-py can use (checked here, not at the first call)."""
     if config.remote_url is not None:
-        from kvdepot.storage.redis_client import redact, url_problem  # redis-py only when a URL is set
+        # NOTE: imported here: redis-py is loaded only when a URL is set
+        from kvdepot.storage.redis_client import redact, url_problem
 
         problem = url_problem(config.remote_url, config.remote_cluster)
         if problem is not None:

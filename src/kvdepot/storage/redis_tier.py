@@ -38,7 +38,15 @@ import redis
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
 from kvdepot.storage.codec import Payload
-from kvdepot.storage.redis_client import OUTAGE, WHOLE, by_node, make_client, node_of, redact, url_problem
+from kvdepot.storage.redis_client import (
+    OUTAGE,
+    WHOLE,
+    by_node,
+    make_client,
+    node_of,
+    redact,
+    url_problem,
+)
 from kvdepot.storage.tier_stats import ByteTierStats
 
 logger = logging.getLogger("kvdepot")
@@ -166,7 +174,7 @@ class RedisTier:
 
     def _recovered(self, node: str) -> None:
         with self._lock:
-            back = [n for n in (node, WHOLE) if n in self._failing]
+            back = [n for n in dict.fromkeys((node, WHOLE)) if n in self._failing]
             for n in back:
                 self._failing.discard(n)
                 self._down_until.pop(n, None)
