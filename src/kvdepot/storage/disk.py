@@ -71,6 +71,16 @@ def _objects(base: Path) -> Iterator[tuple[os.DirEntry[str], bool]]:
                         yield entry, False
 
 
+def _stat_all(base: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """(path, stat) of every chunk file under ``base``; one removed meanwhile is skipped."""
+    for entry, temp in _objects(base):
+        if not temp:
+            try:
+                yield entry.path, entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+
+
 def _temp_owner(name: str) -> str:
     """The claim id in a temp file's name (``.<key>.<claim>.tmp``, ``.probe-<claim>.tmp``); ""
     for a name from before claims (their writer cannot be told apart: removed only when alone)."""
@@ -134,16 +144,12 @@ class DiskTier:
     def _scan(self) -> None:
         """Index this namespace's files; alone in the directory, recount the ledger from them all;
         remove temp files whose writer is gone; evict down to the capacity."""
-        found = [
-            (entry.stat(follow_symlinks=False), ChunkKey(bytes.fromhex(entry.name)))
-            for entry, temp in _objects(self.base)
-            if not temp and Path(entry.path).parent.parent == self.root
-        ]
+        found = [(st, ChunkKey(bytes.fromhex(os.path.basename(path))))
+                 for path, st in _stat_all(self.base) if Path(path).parent.parent == self.root]
         with self._budget.locked() as budget:
             alone = budget.sweep() == 0
             if alone:
-                budget.recount(sum(st.st_size for entry, temp in _objects(self.base) if not temp
-                                   for st in (entry.stat(follow_symlinks=False),)))
+                budget.recount(sum(st.st_size for _path, st in _stat_all(self.base)))
             with self._lock:
                 for st, key in sorted(found, key=lambda item: item[0].st_mtime_ns):
                     self._sizes[key] = st.st_size
@@ -174,6 +180,7 @@ class DiskTier:
         """Free at least ``need`` bytes (under the ledger lock): this tier's LRU objects first, then
         the directory's oldest files. Victims are all decided before any is removed; False (and
         nothing removed) if everything there is would not be enough."""
+        need_at_least = need
         with self._lock:
             mine, freed = [], 0
             for key in self._policy.candidates():
@@ -184,19 +191,17 @@ class DiskTier:
                     freed += self._sizes[key]
         others: list[str] = []
         if freed < need:
+            # NOTE: a walk of the whole directory: free a batch (1/64 of the capacity at least)
+            # so that a tier living on others' objects does not walk it for every write.
+            need = max(need, freed + self.capacity_bytes // 64)
             chosen = {self._path(key) for key in mine}
-            rest = sorted(
-                (st.st_mtime_ns, entry.path, st.st_size)
-                for entry, temp in _objects(self.base)
-                if not temp and entry.path not in chosen
-                for st in (entry.stat(follow_symlinks=False),)
-            )
+            rest = sorted((st.st_mtime_ns, path, st.st_size) for path, st in _stat_all(self.base) if path not in chosen)
             for _mtime, path, size in rest:
                 if freed >= need:
                     break
                 others.append(path)
                 freed += size
-            if freed < need:
+            if freed < need_at_least:
                 return False
         for key in mine:
             self._unlink(budget, self._path(key))
