@@ -11,7 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from kvdepot.config import load_config
 from kvdepot.keys import ChunkKey
+from kvdepot.storage import codec
+from kvdepot.storage.manager import TierManager
 from kvdepot.storage.redis_tier import RedisTier
 from redis_server import REDIS_CLI, REDIS_SERVER, RedisClusterServers
 
@@ -109,3 +112,19 @@ def test_a_dead_seed_at_start_is_an_outage_not_an_error(cluster: RedisClusterSer
     eventually(lambda: tier.put(key(1), payload(1)))
     assert tier.get(key(1)) == payload(1)
     tier.close()
+
+
+def test_config_builds_a_cluster_tier_with_tags(cluster: RedisClusterServers) -> None:
+    config = load_config(remote_url=cluster.url, remote_cluster=True, remote_secret="s3cret")
+    manager = TierManager.from_config(config, NS)
+    try:
+        remote = manager.remote
+        assert isinstance(remote, RedisTier) and remote.cluster
+        assert manager.write_behind(key(500), lambda: payload(500))
+        manager.flush()
+        assert manager.find([key(500), key(501)]) == 1
+        raw = cluster.node_of(remote.redis_key(key(500))).client().get(remote.redis_key(key(500)))
+        assert isinstance(raw, bytes) and raw[6] & codec.FLAG_KEYED
+        assert remote.get(key(500)) == payload(500)
+    finally:
+        manager.close()
