@@ -186,3 +186,26 @@ def test_enospc_on_a_real_small_filesystem(small_tmpfs: Path) -> None:
     tier = DiskTier(small_tmpfs / "disk", 10**9, NS)
     _check_full_fs(tier, 100_000)
     tier.close()
+
+
+def _use_inherited(tier: DiskTier, parent_claim: str, out: Connection) -> None:
+    ok = tier.put(key(7), payload(7))
+    out.send((ok, tier._budget.claim_id != parent_claim, tier.get(key(7)) == payload(7)))
+    tier.close()
+
+
+def test_a_forked_child_takes_its_own_claim(tmp_path: Path) -> None:
+    """flock locks belong to open file descriptions, which a fork shares: a child using its
+    parent's tier must not write under the parent's lock and claim."""
+    tier = DiskTier(tmp_path, 10**8, NS, o_direct=False)
+    assert tier.put(key(1), payload(1))
+    ctx = multiprocessing.get_context("fork")
+    r, w = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_use_inherited, args=(tier, tier._budget.claim_id, w))
+    child.start()
+    assert r.recv() == (True, True, True)
+    child.join(30)
+    assert child.exitcode == 0
+    assert os.listdir(tmp_path / disk_budget.CLAIMS) == [tier._budget.claim_id]  # the child's is gone
+    assert tier.put(key(2), payload(2)) and tier.stats().shared_used_bytes == object_bytes(tmp_path)
+    tier.close()

@@ -69,6 +69,7 @@ class SharedBudget:
         self._mutex = threading.RLock()  # flock does not exclude the threads of one open file
         self._fd: int | None = None
         self._claim_fd: int | None = None
+        self._pid = os.getpid()
         self.claim_id = ""
         self._own = 0
         self.others_at_start = self._open()
@@ -86,6 +87,15 @@ class SharedBudget:
                 self._write_own()
                 return self.sweep()
 
+    def _forget_inherited(self) -> None:
+        """In a forked child: drop the parent's descriptors (closing them releases nothing the
+        parent holds) and its claim; ``locked()`` then takes a claim of the child's own."""
+        for fd in (self._fd, self._claim_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._claim_fd = None
+        self._own, self._pid = 0, os.getpid()
+
     def _claim_path(self, claim_id: str) -> Path:
         return self.directory / CLAIMS / claim_id
 
@@ -93,6 +103,8 @@ class SharedBudget:
     def locked(self) -> Iterator[SharedBudget]:
         """Exclusive use of the ledger, against this process's threads and every other process."""
         with self._mutex:
+            if self._pid != os.getpid():  # a forked child: the parent's descriptions share its locks
+                self._forget_inherited()
             if self._fd is None:  # reopened after close(): the tier is still in use
                 self._open()
             assert self._fd is not None

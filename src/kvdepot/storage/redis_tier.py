@@ -134,6 +134,10 @@ class RedisTier:
         return self._client
 
     def _node(self, name: bytes) -> str:
+        """The outage key of ``name``'s node; a cluster client is made first (reading the slot
+        map), so that a dead master at start costs its own slots, not the whole cluster."""
+        if self._client is None:
+            self._call("CLUSTER SLOTS", WHOLE, lambda c: None)
         return node_of(self._client, self.cluster, name) if self._client is not None else WHOLE
 
     def _call(self, op: str, node: str, fn: Callable[[Any], T]) -> tuple[bool, T | None]:
@@ -195,6 +199,8 @@ class RedisTier:
         if not keys:
             return present
         names = [self.redis_key(key) for key in keys]
+        if self._client is None:
+            self._node(names[0])  # makes the client (and its slot map) first
         groups = by_node(self._client, self.cluster, names) if self._client is not None else {WHOLE: list(range(len(names)))}
         for node, indexes in groups.items():
 
