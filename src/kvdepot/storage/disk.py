@@ -320,7 +320,7 @@ class DiskTier:
                         raise
                     with self._budget.locked() as budget:
                         self._stats.no_space += 1
-                        if not self._evict(budget, size + ALIGN):  # nothing left to evict
+                        if not self._evict(budget, size):  # nothing left to evict
                             raise
             with self._budget.locked() as budget:
                 if os.path.lexists(path):  # another process published this chunk meanwhile
