@@ -20,8 +20,12 @@ from redis_server import REDIS_CLI, REDIS_SERVER, RedisClusterServers
 
 NS = bytes(range(16))
 N = 48  # chunks: every master gets some
-CALL_LIMIT_S = 2.5  # a call to a dead master is refused at once; slack for a loaded 2-core CI box
-TIMEOUT_S = 1.0  # socket timeout of the live masters' calls (loopback, but the box may be loaded)
+# A call to a dead master is refused at once; the live masters get a generous socket timeout, as
+# a loaded 2-core CI box can stall a loopback reply past a second (then a live node would count as
+# down, which is the tier's right answer but not this test's subject). Latency bounds under
+# timeouts are test_redis_tier.py's.
+TIMEOUT_S = 2.0
+CALL_LIMIT_S = 2 * TIMEOUT_S + 1  # at most: the call, then redis-py re-reading the slot map
 
 
 def key(i: int) -> ChunkKey:
