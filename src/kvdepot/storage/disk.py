@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import suppress
 from pathlib import Path
 
+from kvdepot.events.base import NULL_SINK, EventSink, Medium
 from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.storage import codec, disk_io
 from kvdepot.storage.codec import Payload
@@ -103,6 +104,7 @@ class DiskTier:
         o_direct: bool | None = None,
         fsync: bool = False,
         policy: str = "lru",
+        events: EventSink = NULL_SINK,
     ) -> None:
         """Args:
         path: the tier's directory (shared by namespaces: each gets its own subdirectory).
@@ -111,6 +113,7 @@ class DiskTier:
         namespace: the 16-byte ``Namespace.digest`` whose objects this tier serves.
         o_direct: None or True = use O_DIRECT if the probe succeeds; False = never.
         fsync: fsync each object and its directory before it counts as stored.
+        events: told of every object stored and every one forgotten (evicted, deleted, corrupt).
         """
         self.namespace = codec.check_namespace(namespace)
         self.base = Path(path)
@@ -130,6 +133,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._io_failing = False
         self._stats = ByteTierStats(name=self.name, capacity_bytes=self.capacity_bytes)
+        self._events = events
         self._scan()
 
     @property
@@ -165,6 +169,7 @@ class DiskTier:
     def _forget_locked(self, key: ChunkKey) -> None:
         self._used -= self._sizes.pop(key)
         self._policy.remove(key)
+        self._events.removed(Medium.DISK, (key,))
 
     def _unlink(self, budget: SharedBudget, path: str) -> int:
         """Remove a committed object (under the ledger lock): the bytes it gave back."""
@@ -334,6 +339,7 @@ class DiskTier:
                     if key not in self._sizes:
                         self._sizes[key] = size
                         self._used += size
+                        self._events.stored(Medium.DISK, (key,))
                     self._policy.touch(key)
             if self.fsync:
                 dir_fd = os.open(os.path.dirname(path), os.O_RDONLY)

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from kvdepot.events.base import NULL_SINK, EventSink, Medium
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
 from kvdepot.storage.codec import Payload
@@ -72,6 +73,7 @@ class RedisTier:
         secret: str | bytes | None = None,
         client: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        events: EventSink = NULL_SINK,
     ) -> None:
         """Args:
         url: ``redis://``, ``rediss://`` or ``unix://`` URL, credentials included (with
@@ -84,6 +86,9 @@ class RedisTier:
         secret: tag values with a key derived from it, and serve only values tagged so.
         client: a ready client with the ``redis.Redis`` command API instead of ``url``; its
             timeouts and retries are then the caller's.
+        events: told of every value set, and of every key the server answered is gone (the
+            server evicts and expires silently: a GET, EXISTS or DEL that finds nothing is how
+            this tier learns it).
         """
         self.namespace = codec.check_namespace(namespace)
         if client is None:
@@ -106,6 +111,7 @@ class RedisTier:
         self._failing: set[str] = set()  # nodes whose outage was logged and has not ended
         self._lock = threading.Lock()
         self._stats = ByteTierStats(name=self.name)
+        self._events = events
 
     def redis_key(self, key: ChunkKey) -> bytes:
         return self._prefix + key.hex().encode()
@@ -214,6 +220,7 @@ class RedisTier:
             if ok and found:
                 for i, n in zip(indexes, found, strict=True):
                     present[i] = bool(n)
+                self._events.removed(Medium.REDIS, [keys[i] for i in indexes if not present[i]])
         return present
 
     def get(self, key: ChunkKey) -> memoryview | None:
@@ -233,6 +240,8 @@ class RedisTier:
             if fault is not None:
                 logger.warning("redis tier %s: value of chunk %s refused (%s); deleted", self.where, key.hex(), fault)
                 self._call("DEL", node, lambda c: c.delete(name))
+            if ok:
+                self._events.removed(Medium.REDIS, (key,))
             return None
         # NOTE: no copy: a verified view into the reply (a copy of 32 MiB measured ~35 ms here,
         # mostly first-touch page faults); the caller copies it once, into its host slot.
@@ -248,11 +257,15 @@ class RedisTier:
                 self._stats.bytes_written += len(value) - codec.HEADER_BYTES
             else:
                 self._stats.dropped += 1
+        if ok:
+            self._events.stored(Medium.REDIS, (key,))
         return ok
 
     def delete(self, key: ChunkKey) -> bool:
         name = self.redis_key(key)
         ok, removed = self._call("DEL", self._node(name), lambda c: c.delete(name))
+        if ok:
+            self._events.removed(Medium.REDIS, (key,))
         return bool(ok and removed)
 
     def stats(self) -> ByteTierStats:
