@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvdepot.transfer as transfer
+from fakes import FakeClock
 from kvdepot.config import DepotConfig
 from kvdepot.engine import CacheEngine
 from kvdepot.errors import ConfigError, LayoutError
@@ -49,6 +49,7 @@ class Rig:
         capacity_chunks: int = 64,
         seed: int = 0,
         mover: str | None = None,
+        clock: FakeClock | None = None,
         **config: object,
     ) -> None:
         self.gen = torch.Generator().manual_seed(seed)
@@ -61,12 +62,10 @@ class Rig:
             chunk_size=self.chunk, host_capacity_gb=(self.capacity + 0.5) / 1e9, **config  # type: ignore[arg-type]
         )
         self.fill()
-        if mover is None:
-            self.engine = CacheEngine.for_pool(self.pool, tpb, config=self.config)
-        else:
-            layout = PoolLayout.from_pool(self.pool, tpb, self.chunk)
-            self.engine = CacheEngine(layout, self.config, mover=MOVERS[mover]())
-            self.engine.register_pool(self.pool)
+        self.clock = clock or FakeClock()
+        layout = PoolLayout.from_pool(self.pool, tpb, self.chunk)
+        self.engine = CacheEngine(layout, self.config, mover=MOVERS[mover]() if mover else None, clock=self.clock)
+        self.engine.register_pool(self.pool)
 
     def random(self, *shape: int) -> torch.Tensor:
         return torch.randint(0, 256, shape, dtype=torch.uint8, generator=self.gen)
@@ -148,18 +147,18 @@ def round_trip(s: dict, device: str = "cpu", mover: str | None = None) -> None:
     stored = s["stored"]
     original = rig.rows()
 
-    handle = engine.store(tokens[: stored * rig.chunk], ids)
+    handle = engine.store(engine.chunk_keys(tokens[: stored * rig.chunk]), ids)
     engine.wait_all() if s["wait_all"] else handle.wait()
     assert handle.done() and handle.chunks == stored
     assert torch.equal(rig.rows(), original)  # a store never writes the pool
     stats = engine.stats()
     assert (stats.stored_chunks, stats.host_chunks, stats.bytes_stored) == (stored, stored, stored * rig.chunk_bytes)
-    assert engine.store(tokens[: stored * rig.chunk], ids).chunks == 0  # already cached: nothing to copy
+    assert engine.store(engine.chunk_keys(tokens[: stored * rig.chunk]), ids).chunks == 0  # already cached: nothing to copy
 
     lease = ("req", 1) if s["lease"] else None
-    assert engine.lookup(tokens, lease=lease) == stored * rig.chunk
+    assert engine.lookup(engine.chunk_keys(tokens), lease=lease) == stored * rig.chunk
     poison = rig.fill()
-    got = engine.retrieve(tokens, ids, skip_blocks=s["skip"], num_blocks=s["count"], lease=lease)
+    got = engine.retrieve(engine.chunk_keys(tokens), ids, skip_blocks=s["skip"], num_blocks=s["count"], lease=lease)
     positions = expected_load(len(tokens) // rig.chunk, stored, bpc, len(ids), s["skip"], s["count"])
     assert got == (positions.stop if positions else s["skip"]) * B
     verify_rows(rig.rows(), {ids[p]: original[ids[p]] for p in positions}, poison)
@@ -183,21 +182,21 @@ def test_round_trip_with_every_registered_mover(mover, s):
     round_trip(s, mover=mover)
 
 
-def test_lookup_skip_tokens_and_keys_instead_of_tokens():
+def test_lookup_skip_tokens_and_a_prefix_of_the_keys():
     rig = Rig(tpb=4, bpc=2)  # chunk of 8 tokens
     engine = rig.engine
     tokens, ids = rig.tokens(30), rig.ids(8)  # 3 full chunks + 6 tokens
     keys = engine.chunk_keys(tokens)
     assert len(keys) == 3
-    engine.store(None, ids[:6], keys=keys[:3]).wait()  # keys alone: 3 chunks, 6 blocks
-    assert engine.lookup(tokens) == 24
-    assert engine.lookup(keys=keys) == 24
-    assert engine.lookup(tokens, skip_tokens=8) == 24  # counted from the second chunk
-    assert engine.lookup(tokens, skip_tokens=12) == 24  # rounds down to its chunk
-    assert engine.lookup(tokens + [0] * 2) == 24  # 32 tokens = 4 chunks, the 4th not cached
+    engine.store(keys[:3], ids[:6]).wait()  # 3 chunks, 6 blocks
+    assert engine.lookup(engine.chunk_keys(tokens)) == 24
+    assert engine.lookup(keys) == 24
+    assert engine.lookup(engine.chunk_keys(tokens), skip_tokens=8) == 24  # counted from the second chunk
+    assert engine.lookup(engine.chunk_keys(tokens), skip_tokens=12) == 24  # rounds down to its chunk
+    assert engine.lookup(engine.chunk_keys(tokens + [0] * 2)) == 24  # 32 tokens = 4 chunks, the 4th not cached
     original = rig.rows()
     poison = rig.fill()
-    assert engine.retrieve(None, ids, keys=keys, skip_blocks=2) == 24
+    assert engine.retrieve(keys, ids, skip_blocks=2) == 24
     verify_rows(rig.rows(), {ids[p]: original[ids[p]] for p in range(2, 6)}, poison)
     rig.verify_idle()
 
@@ -206,10 +205,10 @@ def test_a_new_pool_of_the_same_geometry_receives_cached_chunks():
     rig = Rig(num_blocks=8)
     tokens, ids = rig.tokens(16), [5, 2, 7, 0]
     original = rig.rows()
-    rig.engine.store(tokens, ids).wait()
+    rig.engine.store(rig.engine.chunk_keys(tokens), ids).wait()
     bigger = torch.zeros(12, *rig.pool.shape[1:], dtype=rig.pool.dtype)  # e.g. after a reload
     rig.engine.register_pool(bigger)
-    assert rig.engine.retrieve(tokens, [11, 3, 9, 4]) == 16
+    assert rig.engine.retrieve(rig.engine.chunk_keys(tokens), [11, 3, 9, 4]) == 16
     new_rows = bigger.view(torch.uint8).reshape(12, -1)
     expected = {11: original[5], 3: original[2], 9: original[7], 4: original[0]}
     verify_rows(new_rows, expected, torch.zeros_like(new_rows))
@@ -226,15 +225,15 @@ def test_eviction_keeps_the_bound_and_never_serves_evicted_data():
     for _ in range(5):  # five one-chunk sequences through the same block
         seqs.append(rig.tokens(4))
         data.append(rig.fill()[ids[0]])
-        engine.store(seqs[-1], ids[:1]).wait()
+        engine.store(engine.chunk_keys(seqs[-1]), ids[:1]).wait()
         host = engine.host.stats()
         assert host.used_bytes <= host.capacity_bytes == rig.capacity
         assert engine.stats().host_chunks <= engine.stats().host_capacity_chunks == 3
     assert engine.stats().evictions == 2
-    assert [engine.lookup(seq) for seq in seqs] == [0, 0, 4, 4, 4]  # the two coldest are gone
+    assert [engine.lookup(engine.chunk_keys(seq)) for seq in seqs] == [0, 0, 4, 4, 4]  # the two coldest are gone
     for i, seq in enumerate(seqs):
         poison = rig.fill()
-        got = engine.retrieve(seq, ids[:1])
+        got = engine.retrieve(engine.chunk_keys(seq), ids[:1])
         if i < 2:
             assert got == 0
             assert torch.equal(rig.rows(), poison)
@@ -250,15 +249,15 @@ def test_an_evicted_head_breaks_the_chain_but_the_engine_can_skip_it():
     a, b = rig.tokens(8), rig.tokens(8)
     ids = rig.ids(4)
     a_rows = rig.rows()
-    engine.store(a, ids).wait()
+    engine.store(engine.chunk_keys(a), ids).wait()
     rig.fill()
-    engine.store(b, ids).wait()  # needs 2 slots: evicts a's chunk 0 (the coldest)
+    engine.store(engine.chunk_keys(b), ids).wait()  # needs 2 slots: evicts a's chunk 0 (the coldest)
     assert engine.stats().evictions == 1
-    assert engine.lookup(a) == 0  # chained keys: without chunk 0 nothing counts
+    assert engine.lookup(engine.chunk_keys(a)) == 0  # chained keys: without chunk 0 nothing counts
     poison = rig.fill()
-    assert engine.retrieve(a, ids) == 0 and torch.equal(rig.rows(), poison)
+    assert engine.retrieve(engine.chunk_keys(a), ids) == 0 and torch.equal(rig.rows(), poison)
     # An engine that still holds chunk 0 on device loads chunk 1 from the cache.
-    assert engine.retrieve(a, ids, skip_blocks=2) == 8
+    assert engine.retrieve(engine.chunk_keys(a), ids, skip_blocks=2) == 8
     verify_rows(rig.rows(), {ids[2]: a_rows[ids[2]], ids[3]: a_rows[ids[3]]}, poison)
     rig.verify_idle()
 
@@ -281,11 +280,11 @@ def test_random_stores_and_hits_under_capacity(capacity, lengths, ops, seed):
         if is_store:
             rows = rig.pool.view(torch.uint8).reshape(rig.num_blocks, -1)
             rows.copy_(canonical)
-            engine.store(tokens, ids).wait()
+            engine.store(engine.chunk_keys(tokens), ids).wait()
         else:
-            hit = engine.lookup(tokens, lease="req") // 2
+            hit = engine.lookup(engine.chunk_keys(tokens), lease="req") // 2
             poison = rig.fill()
-            assert engine.retrieve(tokens, ids, lease="req") == 2 * hit
+            assert engine.retrieve(engine.chunk_keys(tokens), ids, lease="req") == 2 * hit
             verify_rows(rig.rows(), {ids[c]: canonical[ids[c]] for c in range(hit)}, poison)
         host = engine.host.stats()
         assert host.used_bytes <= rig.capacity and host.chunks <= capacity
@@ -299,15 +298,15 @@ def test_pinned_chunks_block_eviction_until_released():
     rig = Rig(tpb=4, bpc=1, capacity_chunks=2)
     engine = rig.engine
     a, b, c = rig.tokens(4), rig.tokens(4), rig.tokens(4)
-    engine.store(a, [0]).wait()
-    engine.store(b, [1]).wait()
-    assert engine.lookup(a, lease="ra") == 4 and engine.lookup(b, lease="rb") == 4
+    engine.store(engine.chunk_keys(a), [0]).wait()
+    engine.store(engine.chunk_keys(b), [1]).wait()
+    assert engine.lookup(engine.chunk_keys(a), lease="ra") == 4 and engine.lookup(engine.chunk_keys(b), lease="rb") == 4
     assert engine.stats().pinned_chunks == 2 and engine.stats().live_leases == 2
-    handle = engine.store(c, [2])
-    assert handle.chunks == 0 and engine.stats().dropped_stores == 1 and engine.lookup(c) == 0
+    handle = engine.store(engine.chunk_keys(c), [2])
+    assert handle.chunks == 0 and engine.stats().dropped_stores == 1 and engine.lookup(engine.chunk_keys(c)) == 0
     engine.release("ra")
-    assert engine.store(c, [2]).chunks == 1  # a is evictable now
-    assert engine.lookup(a) == 0 and engine.lookup(b) == 4 and engine.lookup(c) == 4
+    assert engine.store(engine.chunk_keys(c), [2]).chunks == 1  # a is evictable now
+    assert engine.lookup(engine.chunk_keys(a)) == 0 and engine.lookup(engine.chunk_keys(b)) == 4 and engine.lookup(engine.chunk_keys(c)) == 4
     engine.release("rb")
     rig.verify_idle()
 
@@ -315,28 +314,70 @@ def test_pinned_chunks_block_eviction_until_released():
 def test_a_retrieve_releases_the_lookup_lease_even_when_nothing_is_loaded():
     rig = Rig(tpb=4, bpc=1)
     tokens, ids = rig.tokens(8), rig.ids(2)
-    rig.engine.store(tokens, ids).wait()
+    rig.engine.store(rig.engine.chunk_keys(tokens), ids).wait()
     for skip, count in ((0, 0), (2, None), (5, 1)):
-        assert rig.engine.lookup(tokens, lease="r") == 8
-        assert rig.engine.retrieve(tokens, ids, skip_blocks=skip, num_blocks=count, lease="r") == skip * 4
+        assert rig.engine.lookup(rig.engine.chunk_keys(tokens), lease="r") == 8
+        assert rig.engine.retrieve(rig.engine.chunk_keys(tokens), ids, skip_blocks=skip, num_blocks=count, lease="r") == skip * 4
         rig.verify_idle()
 
 
 def test_lease_timeout_on_the_engine():
-    rig = Rig(tpb=4, bpc=1, capacity_chunks=1, lease_timeout_s=0.001)
+    rig = Rig(tpb=4, bpc=1, capacity_chunks=1, lease_timeout_s=1.0)
     engine = rig.engine
     a, b = rig.tokens(4), rig.tokens(4)
-    engine.store(a, [0]).wait()
-    assert engine.lookup(a, lease="never-loaded") == 4
-    time.sleep(0.02)
+    engine.store(engine.chunk_keys(a), [0]).wait()
+    assert engine.lookup(engine.chunk_keys(a), lease="never-loaded") == 4
+    rig.clock.advance(0.999)
+    assert engine.stats().live_leases == 1  # not yet: the engine's clock, not the machine's, decides
+    rig.clock.advance(0.001)
     rig.verify_idle()  # the lease timed out
-    assert engine.store(b, [1]).chunks == 1  # and does not keep the only slot pinned
-    assert engine.lookup(a) == 0 and engine.lookup(b) == 4
+    assert engine.store(engine.chunk_keys(b), [1]).chunks == 1  # and does not keep the only slot pinned
+    assert engine.lookup(engine.chunk_keys(a)) == 0 and engine.lookup(engine.chunk_keys(b)) == 4
     # A lease that times out before its retrieve: the retrieve still loads what is there.
-    assert engine.lookup(b, lease="late") == 4
-    time.sleep(0.02)
-    assert engine.retrieve(b, [3], lease="late") == 4
+    assert engine.lookup(engine.chunk_keys(b), lease="late") == 4
+    rig.clock.advance(1.0)
+    assert engine.retrieve(engine.chunk_keys(b), [3], lease="late") == 4
     rig.verify_idle()
+
+
+def test_try_probe_and_try_release_never_wait_for_the_engine():
+    """The non-blocking variants (the server's loop thread): the same answers as ``probe`` and
+    ``release`` while the engine is free; None/False, with nothing done, while another thread
+    holds it."""
+    rig = Rig(tpb=4, bpc=1)
+    engine = rig.engine
+    keys = engine.chunk_keys(rig.tokens(8))
+    engine.store(keys, [0, 1]).wait()
+    assert engine.try_probe(keys, lease="t") == engine.probe(keys) and engine.stats().live_leases == 1
+    held, go = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with engine._lock:  # white box: as a copy's bookkeeping or a pool swap would
+            held.set()
+            go.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        before = engine.stats  # stats() would wait for the lock too: read after
+        assert engine.try_probe(keys, lease="u") is None
+        assert engine.try_release("t") is False
+    finally:
+        go.set()
+        holder.join(10)
+    stats = before()
+    assert stats.live_leases == 1 and stats.lookups == 2  # "u" never probed, "t" still held
+    assert engine.try_release("t") is True
+    rig.verify_idle()
+
+
+def test_try_probe_declines_where_lower_tiers_would_do_io(tmp_path):
+    rig = Rig(tpb=4, bpc=1, disk_path=str(tmp_path), disk_capacity_gb=0.001)
+    keys = rig.engine.chunk_keys(rig.tokens(8))
+    assert rig.engine.try_probe(keys, lease="t") is None and rig.engine.stats().lookups == 0
+    assert rig.engine.probe(keys).tokens == 0  # the blocking probe still answers (nothing stored)
+    rig.engine.close()
 
 
 # ---- bad input: a clear exception, and the cache exactly as it was -----------------------------------
@@ -356,23 +397,20 @@ def same(a: tuple, b: tuple) -> bool:
 
 BAD_CALLS = [
     # (id, call(engine, tokens, ids), exception, message fragment)
-    ("store-too-few-ids", lambda e, t, i: e.store(t, i[:-1]), LayoutError, "cannot hold"),
-    ("retrieve-too-few-ids", lambda e, t, i: e.retrieve(t, i[:3]), LayoutError, "cannot hold"),
-    ("store-id-too-big", lambda e, t, i: e.store(t, i[:-1] + [16]), LayoutError, "out of range"),
-    ("retrieve-negative-id", lambda e, t, i: e.retrieve(t, [-1] + i[1:]), LayoutError, "out of range"),
-    ("store-float-id", lambda e, t, i: e.store(t, i[:-1] + [1.0]), LayoutError, "out of range"),
-    ("store-duplicate-ids", lambda e, t, i: e.store(t, i[:-1] + i[:1]), LayoutError, "distinct"),
-    ("retrieve-duplicate-ids", lambda e, t, i: e.retrieve(t, i[:-1] + i[-2:-1]), LayoutError, "distinct"),
-    ("retrieve-negative-skip", lambda e, t, i: e.retrieve(t, i, skip_blocks=-1), LayoutError, "skip_blocks"),
-    ("retrieve-negative-skip-with-count", lambda e, t, i: e.retrieve(t, i, skip_blocks=-2, num_blocks=2), LayoutError, "skip_blocks"),
-    ("retrieve-negative-count", lambda e, t, i: e.retrieve(t, i, num_blocks=-1), LayoutError, "num_blocks"),
-    ("lookup-negative-skip", lambda e, t, i: e.lookup(t, skip_tokens=-8, lease="x"), LayoutError, "skip_tokens"),
-    ("store-negative-token", lambda e, t, i: e.store([-1] + t[1:], i), LayoutError, r"2\*\*32"),
-    ("lookup-huge-token", lambda e, t, i: e.lookup(t[:-1] + [2**32], lease="x"), LayoutError, r"2\*\*32"),
-    ("retrieve-huge-token", lambda e, t, i: e.retrieve([2**40] + t[1:], i), LayoutError, r"2\*\*32"),
-    ("store-too-few-keys", lambda e, t, i: e.store(t, i, keys=e.chunk_keys(t)[:1]), LayoutError, "keys"),
-    ("store-no-tokens-no-keys", lambda e, t, i: e.store(None, i), LayoutError, "tokens or keys"),
-    ("lookup-no-tokens-no-keys", lambda e, t, i: e.lookup(None), LayoutError, "tokens or keys"),
+    ("store-too-few-ids", lambda e, t, i: e.store(e.chunk_keys(t), i[:3]), LayoutError, "cannot hold"),
+    ("retrieve-too-few-ids", lambda e, t, i: e.retrieve(e.chunk_keys(t), i[:3]), LayoutError, "cannot hold"),
+    ("store-id-too-big", lambda e, t, i: e.store(e.chunk_keys(t), i[:-1] + [16]), LayoutError, "out of range"),
+    ("retrieve-negative-id", lambda e, t, i: e.retrieve(e.chunk_keys(t), [-1] + i[1:]), LayoutError, "out of range"),
+    ("store-float-id", lambda e, t, i: e.store(e.chunk_keys(t), i[:-1] + [1.0]), LayoutError, "out of range"),
+    ("store-duplicate-ids", lambda e, t, i: e.store(e.chunk_keys(t), i[:-1] + i[:1]), LayoutError, "distinct"),
+    ("retrieve-duplicate-ids", lambda e, t, i: e.retrieve(e.chunk_keys(t), i[:-1] + i[-2:-1]), LayoutError, "distinct"),
+    ("retrieve-negative-skip", lambda e, t, i: e.retrieve(e.chunk_keys(t), i, skip_blocks=-1), LayoutError, "skip_blocks"),
+    ("retrieve-negative-skip-with-count", lambda e, t, i: e.retrieve(e.chunk_keys(t), i, skip_blocks=-2, num_blocks=2), LayoutError, "skip_blocks"),
+    ("retrieve-negative-count", lambda e, t, i: e.retrieve(e.chunk_keys(t), i, num_blocks=-1), LayoutError, "num_blocks"),
+    ("lookup-negative-skip", lambda e, t, i: e.lookup(e.chunk_keys(t), skip_tokens=-8, lease="x"), LayoutError, "skip_tokens"),
+    ("store-negative-token", lambda e, t, i: e.store(e.chunk_keys([-1] + t[1:]), i), LayoutError, r"2\*\*32"),
+    ("lookup-huge-token", lambda e, t, i: e.lookup(e.chunk_keys(t[:-1] + [2**32]), lease="x"), LayoutError, r"2\*\*32"),
+    ("retrieve-huge-token", lambda e, t, i: e.retrieve(e.chunk_keys([2**40] + t[1:]), i), LayoutError, r"2\*\*32"),
     ("register-3d", lambda e, t, i: e.register_pool(torch.zeros(16, 2, 32, dtype=torch.float16)), LayoutError, "4-D"),
     ("register-non-contiguous", lambda e, t, i: e.register_pool(torch.zeros(2, 16, 2, 16, dtype=torch.float16).transpose(0, 1)), LayoutError, "contiguous"),
     ("register-other-layers", lambda e, t, i: e.register_pool(torch.zeros(16, 3, 2, 16, dtype=torch.float16)), LayoutError, "geometry"),
@@ -389,15 +427,15 @@ def test_bad_input_raises_and_leaves_the_cache_unchanged(call, error, fragment):
     engine = rig.engine
     tokens, ids = rig.tokens(20), rig.ids(5)  # 2 full chunks + 4 tokens: 5 blocks
     original = rig.rows()
-    engine.store(tokens[:8], ids).wait()  # one chunk cached
+    engine.store(engine.chunk_keys(tokens[:8]), ids).wait()  # one chunk cached
     before = snapshot(rig, engine.chunk_keys(tokens))
     with pytest.raises(error, match=fragment):
         call(engine, tokens, ids)
     assert same(snapshot(rig, engine.chunk_keys(tokens)), before)
     # Still fully working, on the original pool.
-    assert engine.store(tokens, ids).chunks == 1
+    assert engine.store(engine.chunk_keys(tokens), ids).chunks == 1
     poison = rig.fill()
-    assert engine.retrieve(tokens, ids) == 16
+    assert engine.retrieve(engine.chunk_keys(tokens), ids) == 16
     verify_rows(rig.rows(), {ids[p]: original[ids[p]] for p in range(4)}, poison)
     engine.release("x")
     rig.verify_idle()
@@ -417,9 +455,9 @@ def test_construction_errors():
     engine = CacheEngine(layout, DepotConfig(chunk_size=8, host_capacity_gb=256e-9))
     assert engine.stats().host_capacity_chunks == 1
     with pytest.raises(LayoutError, match="register_pool"):
-        engine.store(list(range(8)), [0, 1])
+        engine.store(engine.chunk_keys(list(range(8))), [0, 1])
     with pytest.raises(LayoutError, match="register_pool"):
-        engine.retrieve(list(range(8)), [0, 1])
+        engine.retrieve(engine.chunk_keys(list(range(8))), [0, 1])
 
 
 # ---- threads -----------------------------------------------------------------------------------
@@ -440,10 +478,10 @@ def test_threads_with_disjoint_blocks_get_exact_bytes_and_consistent_counters():
                 tokens = [t, r] + torch.randint(0, 2**32, (10,), generator=gen).tolist()  # 12: 3 chunks
                 data = torch.randint(0, 256, (per, rows.shape[1]), dtype=torch.uint8, generator=gen)
                 rows[own] = data
-                assert engine.store(tokens, ids).chunks == 3
-                assert engine.lookup(tokens, lease=(t, r)) == 12
+                assert engine.store(engine.chunk_keys(tokens), ids).chunks == 3
+                assert engine.lookup(engine.chunk_keys(tokens), lease=(t, r)) == 12
                 rows[own] = 0
-                assert engine.retrieve(tokens, ids, lease=(t, r)) == 12
+                assert engine.retrieve(engine.chunk_keys(tokens), ids, lease=(t, r)) == 12
                 assert torch.equal(rows[own], data)
         except Exception as exc:  # reported below, with the thread's failure
             errors.append((t, exc))
@@ -524,7 +562,7 @@ def test_cuda_odd_blocks_every_dtype_and_many_async_stores(dtype):
     for n_ids in (1, 3, 7, 13):  # odd counts, random order, partial trailing chunk
         ids = rig.ids(n_ids)
         tokens = rig.tokens(n_ids * 16 - 5)
-        requests.append((tokens, ids, engine.store(tokens, ids)))
+        requests.append((tokens, ids, engine.store(engine.chunk_keys(tokens), ids)))
     engine.wait_all()
     assert all(h.done() for _, _, h in requests)
     assert engine.stats().inflight_transfers == 0
@@ -532,8 +570,8 @@ def test_cuda_odd_blocks_every_dtype_and_many_async_stores(dtype):
     expected = {}
     for tokens, ids, handle in requests:
         chunks = len(tokens) // rig.chunk
-        assert handle.chunks == chunks and engine.lookup(tokens) == chunks * rig.chunk
-        got = engine.retrieve(tokens, ids, skip_blocks=1)
+        assert handle.chunks == chunks and engine.lookup(engine.chunk_keys(tokens)) == chunks * rig.chunk
+        got = engine.retrieve(engine.chunk_keys(tokens), ids, skip_blocks=1)
         assert got == (chunks * 3 if chunks else 1) * 16
         expected.update({ids[p]: original[ids[p]] for p in range(1, chunks * 3)})
     verify_rows(rig.rows(), expected, poison)  # read on the current stream, which waited for the loads
@@ -550,16 +588,16 @@ def test_cuda_store_does_not_make_the_callers_stream_wait(forward):
     original = rig.rows()
     caller = torch.cuda.current_stream() if forward == "default" else forward_stream(engine)
     with torch.cuda.stream(caller):
-        handle = engine.store(tokens, ids)
+        handle = engine.store(engine.chunk_keys(tokens), ids)
         caller_done = torch.cuda.Event()
         caller_done.record(caller)
     caller_done.synchronize()
     assert not handle.done()  # the caller's stream finished while the store is still copying
-    assert engine.lookup(tokens) == 0  # a chunk being written is not visible yet
+    assert engine.lookup(engine.chunk_keys(tokens)) == 0  # a chunk being written is not visible yet
     handle.wait()
-    assert handle.done() and engine.lookup(tokens) == 64
+    assert handle.done() and engine.lookup(engine.chunk_keys(tokens)) == 64
     poison = rig.fill()
-    assert engine.retrieve(tokens, ids) == 64
+    assert engine.retrieve(engine.chunk_keys(tokens), ids) == 64
     verify_rows(rig.rows(), {b: original[b] for b in ids}, poison)
     rig.verify_idle()
 
@@ -596,21 +634,21 @@ def test_cuda_store_is_issued_off_the_callers_thread_and_a_load_does_not_wait_fo
     engine = cuda_engine(rig, mover)
     first, first_ids = rig.tokens(64), [7, 2, 9, 4]
     mover.gate.set()
-    engine.store(first, first_ids).wait()
+    engine.store(engine.chunk_keys(first), first_ids).wait()
     original = rig.rows()
     mover.gate.clear()
     second, second_ids = rig.tokens(64), [0, 11, 5, 3]
-    handle = engine.store(second, second_ids)  # returns while its gather waits at the gate
-    assert not handle.done() and engine.lookup(second) == 0
+    handle = engine.store(engine.chunk_keys(second), second_ids)  # returns while its gather waits at the gate
+    assert not handle.done() and engine.lookup(engine.chunk_keys(second)) == 0
     poison = rig.fill(first_ids)
-    assert engine.lookup(first) == 64 and engine.retrieve(first, first_ids) == 64
+    assert engine.lookup(engine.chunk_keys(first)) == 64 and engine.retrieve(engine.chunk_keys(first), first_ids) == 64
     verify_rows(rig.rows(), {b: original[b] for b in first_ids}, poison)
     assert not handle.done()  # the load completed while the store still waited to be issued
     mover.gate.set()
     handle.wait()
-    assert engine.lookup(second) == 64 and set(mover.threads) == {"kvdepot-store-issuer"}
+    assert engine.lookup(engine.chunk_keys(second)) == 64 and set(mover.threads) == {"kvdepot-store-issuer"}
     poison = rig.fill(second_ids)
-    assert engine.retrieve(second, second_ids) == 64
+    assert engine.retrieve(engine.chunk_keys(second), second_ids) == 64
     verify_rows(rig.rows(), {b: original[b] for b in second_ids}, poison)
     rig.verify_idle()
     close_and_check_the_issuer_stops(engine)
@@ -623,14 +661,14 @@ def test_cuda_store_that_cannot_be_issued_is_dropped_and_leaks_nothing():
     engine = cuda_engine(rig, mover)
     tokens, ids = rig.tokens(64), [6, 1, 3, 0]
     mover.gate.set()
-    handle = engine.store(tokens, ids)
+    handle = engine.store(engine.chunk_keys(tokens), ids)
     handle.wait()
-    assert handle.done() and engine.lookup(tokens) == 0
+    assert handle.done() and engine.lookup(engine.chunk_keys(tokens)) == 0
     stats = engine.stats()
     assert (stats.inflight_transfers, stats.host_chunks) == (0, 0)
     mover.error = None
-    engine.store(tokens, ids).wait()
-    assert engine.lookup(tokens) == 64
+    engine.store(engine.chunk_keys(tokens), ids).wait()
+    assert engine.lookup(engine.chunk_keys(tokens)) == 64
     close_and_check_the_issuer_stops(engine)
 
 
@@ -643,7 +681,7 @@ def test_cuda_store_waits_for_the_callers_writes_and_the_caller_waits_for_loads(
     rows = rig.pool.view(torch.uint8).reshape(rig.num_blocks, -1)
     fresh = rig.random(len(ids), rows.shape[1]).cuda()
     index = torch.tensor(ids, device="cuda")
-    engine.store(rig.tokens(16), [0, 1]).wait()  # warm up: the arena is allocated before the timed part
+    engine.store(engine.chunk_keys(rig.tokens(16)), [0, 1]).wait()  # warm up: the arena is allocated before the timed part
     # A non-default forward stream, as TensorRT-LLM runs on; passed explicitly or only current.
     forward = forward_stream(engine)
     torch.cuda.synchronize()
@@ -652,13 +690,13 @@ def test_cuda_store_waits_for_the_callers_writes_and_the_caller_waits_for_loads(
         # (no host->device copy from pageable memory here: that would block until the sleep ends).
         torch.cuda._sleep(SlowMover.CYCLES)
         rows.index_copy_(0, index, fresh)
-        handle = engine.store(tokens, ids, stream=forward if explicit_stream else None)
+        handle = engine.store(engine.chunk_keys(tokens), ids, stream=forward if explicit_stream else None)
         assert not handle.done()
     handle.wait()
     poison = rig.fill()
     torch.cuda.synchronize()
     with torch.cuda.stream(forward):
-        got = engine.retrieve(tokens, ids, stream=forward if explicit_stream else None)
+        got = engine.retrieve(engine.chunk_keys(tokens), ids, stream=forward if explicit_stream else None)
         after = rows.clone()  # enqueued behind the (slow) load only if the stream waits for it
     forward.synchronize()
     assert got == 32
@@ -691,15 +729,15 @@ def test_cuda_load_by_layer_is_bit_exact_and_each_layer_is_ready_at_its_event(dt
     assert engine.can_load_by_layer()
     tokens, ids = rig.tokens(7 * 16), rig.ids(7)
     original = rig.rows()
-    engine.store(tokens, ids).wait()
+    engine.store(engine.chunk_keys(tokens), ids).wait()
     poison = rig.fill()
     load_ids = rig.ids(7)
     forward = forward_stream(engine)
     layers = rig.pool.view(torch.uint8)  # [block, layer, k|v, bytes]
     seen = []
     with torch.cuda.stream(forward):
-        assert engine.lookup(tokens) == 96
-        got, load = engine.retrieve_by_layer(tokens, load_ids, skip_blocks=1)
+        assert engine.lookup(engine.chunk_keys(tokens)) == 96
+        got, load = engine.retrieve_by_layer(engine.chunk_keys(tokens), load_ids, skip_blocks=1)
         assert got == 96 and load is not None and len(load.events) == 5
         assert load.issued == min(5, LAYERS_AHEAD)  # the rest is enqueued as the forward waits
         for layer in range(5):
@@ -729,15 +767,15 @@ def test_cuda_layered_load_nobody_waits_for_is_enqueued_by_the_next_wait(waiter)
     engine = rig.engine
     tokens, ids = rig.tokens(4 * 16), rig.ids(4)
     original = rig.rows()
-    engine.store(tokens, ids).wait()
+    engine.store(engine.chunk_keys(tokens), ids).wait()
     poison = rig.fill()
     load_ids = rig.ids(4)
-    got, load = engine.retrieve_by_layer(tokens, load_ids)
+    got, load = engine.retrieve_by_layer(engine.chunk_keys(tokens), load_ids)
     assert got == 64 and load is not None and load.issued == LAYERS_AHEAD
     if waiter == "wait_all":
         engine.wait_all()
     else:
-        engine.store(rig.tokens(2 * 16), [b for b in range(24) if b not in load_ids][:2]).wait()
+        engine.store(engine.chunk_keys(rig.tokens(2 * 16)), [b for b in range(24) if b not in load_ids][:2]).wait()
     assert load.fully_issued
     torch.cuda.synchronize()
     verify_rows(rig.rows(), {load_ids[p]: original[ids[p]] for p in range(4)}, poison)  # a store only reads the pool
@@ -752,10 +790,10 @@ def test_cuda_load_by_layer_falls_back_to_a_whole_load_for_small_layer_parts():
     assert not engine.can_load_by_layer()
     tokens, ids = rig.tokens(64), rig.ids(4)
     original = rig.rows()
-    engine.store(tokens, ids).wait()
+    engine.store(engine.chunk_keys(tokens), ids).wait()
     poison = rig.fill()
     load_ids = rig.ids(4)
-    got, load = engine.retrieve_by_layer(tokens, load_ids)
+    got, load = engine.retrieve_by_layer(engine.chunk_keys(tokens), load_ids)
     assert got == 64 and load is None  # whole: the current stream waits for it, as after retrieve
     verify_rows(rig.rows(), {load_ids[p]: original[ids[p]] for p in range(4)}, poison)
     engine.poll()

@@ -16,19 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from fakes import FakeClock
 from kvdepot.storage import host as host_module
 from kvdepot.storage.host import HostTier
 from kvdepot.storage.policy import POLICIES, LRUPolicy
 
 SLOT = 8
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def key(i: int) -> bytes:

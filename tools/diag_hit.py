@@ -11,7 +11,7 @@ from kvdepot.integrations.tensorrt_llm.adapter import (
     KvDepotConnectorScheduler,
     KvDepotConnectorWorker,
 )
-from kvdepot.integrations.tensorrt_llm.utils import current_engine
+from kvdepot.integrations.tensorrt_llm.providers import current_engine
 from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
 
 ap = argparse.ArgumentParser()

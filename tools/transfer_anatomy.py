@@ -68,13 +68,13 @@ def batch():
 
 
 def store(keys_ids):
-    handle = engine.store(None, keys_ids[1], keys=keys_ids[0])
+    handle = engine.store(keys_ids[0], keys_ids[1])
     return handle
 
 
 def load(keys, ids):
-    engine.lookup(keys=keys)
-    if engine.retrieve(None, ids, keys=keys) != a.tokens:
+    engine.lookup(keys)
+    if engine.retrieve(keys, ids) != a.tokens:
         raise RuntimeError("load found its chunks evicted")
 
 

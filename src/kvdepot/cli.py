@@ -45,7 +45,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def _cmd_stats(args: argparse.Namespace) -> int:
     from kvdepot.config import load_config
-    from kvdepot.server.client import print_stats
+    from kvdepot.server.stats_cmd import print_stats
 
     return print_stats(args.url or load_config().server_url)
 

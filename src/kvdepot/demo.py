@@ -23,7 +23,7 @@ from kvdepot.integrations.tensorrt_llm.adapter import (
     KvDepotConnectorScheduler,
     KvDepotConnectorWorker,
 )
-from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
+from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,19 +1,24 @@
 """``CacheEngine``: lookup / store / retrieve of whole chunks between an engine's KV pool and
-kvdepot's tiers. The one object adapters talk to; thread-safe.
+kvdepot's tiers, in this process. It satisfies ``engine_api.Engine`` (whose docstring lists the
+primitives and their pre- and post-conditions); thread-safe. Calls take chunk keys
+(``chunk_keys(tokens)`` at the edge):
 
-    lookup(tokens, skip_tokens=0, lease=None) -> int   end of the cached run, in tokens
-    store(tokens, block_ids, stream=None) -> StoreHandle
-    retrieve(tokens, block_ids, skip_blocks=0, num_blocks=None, lease=None, stream=None) -> int
+    probe(keys, skip_tokens=0, lease=None) -> Hit      lookup(...) -> int (its tokens)
+    try_probe(...) -> Hit | None / try_release(lease) -> bool   never wait (None/False: busy)
+    store(keys, block_ids, stream=None) -> StoreHandle
+    retrieve(keys, block_ids, skip_blocks=0, num_blocks=None, lease=None, stream=None) -> int
+    retrieve_by_layer(...) -> (int, LayeredLoad | None)  retrieve_async(...) -> FinishedLoad
 
 ``block_ids`` is a request's block list in token order (block ``i`` holds tokens
-``[i*B, (i+1)*B)``). A store copies every *full* chunk of ``tokens`` that is not cached yet.
+``[i*B, (i+1)*B)``). A store copies every chunk of ``keys`` that is not cached yet.
 A retrieve writes only the blocks ``[skip_blocks, skip_blocks + num_blocks)`` — never blocks
 the engine already holds — and returns how many tokens from position 0 are then valid.
 
-On CUDA, copies run on the engine's own store/load streams: a store waits for an event on
-the caller's (forward) stream and never makes the forward stream wait; a load makes the
-caller's stream wait for it. Slots written by a store become visible to lookups once the
-copy completes; slots read by a load stay pinned until it completes.
+On CUDA, copies run on the engine's own store/load streams: a store waits for an event on the
+caller's (forward) stream and never makes the forward stream wait; a load makes the caller's
+stream wait for it. Slots written by a store become visible to lookups once the copy completes;
+slots read by a load stay pinned until it completes. Lease timeouts run on the engine's
+``clock`` (monotonic seconds; tests pass a fake one).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from typing import Any
 import torch
 
 from kvdepot.config import DepotConfig, load_config
+from kvdepot.engine_api import Capabilities
+from kvdepot.engine_loads import LAYER_PART_MIN_BYTES, Lease, LoadPath
 from kvdepot.errors import ConfigError, LayoutError
 from kvdepot.events.base import NULL_SINK, EventSink, EventSpace
 from kvdepot.keys import ChunkHasher, ChunkKey, Namespace
@@ -48,17 +55,17 @@ __all__ = ["LAYER_PART_MIN_BYTES", "STAGED_BELOW_BYTES", "CacheEngine", "EngineS
 # Without that call, blocks of 2 MiB and more run a DMA each near the ceiling; smaller ones are
 # gathered on the device first (transfer/staged.py).
 STAGED_BELOW_BYTES = 2 << 20
-# Loads by layer need each layer's part of a block to be one efficient copy (``can_load_by_layer``).
-LAYER_PART_MIN_BYTES = 64 << 10
 
 
-class CacheEngine:
+class CacheEngine(LoadPath):
     """Chunks of one KV pool geometry, cached in kvdepot's tiers.
 
     One lock (``_lock``, re-entrant) guards the host tier and the stats. The helpers the engine
     owns take that same lock rather than one of their own, because their callbacks touch the host
     tier: ``_transfers`` (copies in flight on side streams), ``_promotions`` (disk/Redis hits read
-    into host slots) and ``_pinner`` (the host arena pinned in the background).
+    into host slots) and ``_pinner`` (the host arena pinned in the background). The lock stays
+    private: a caller that must not wait for it (the server's loop thread) uses ``try_probe`` and
+    ``try_release``.
     """
 
     def __init__(
@@ -70,6 +77,7 @@ class CacheEngine:
         mover: BlockMover | None = None,
         namespace_fields: dict[str, Any] | None = None,
         events: EventSink | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config or load_config()
         if self.config.chunk_size != layout.chunk_size:
@@ -88,6 +96,7 @@ class CacheEngine:
                 f"of {layout.chunk_bytes} bytes (chunk_size={layout.chunk_size}); expected >= {layout.chunk_bytes / 1e9:.6f}"
             )
         pin = {"true": True, "false": False, "auto": torch.cuda.is_available()}[self.config.pin_host_memory]
+        self.clock = clock
         # KV events (events/): the caller's sink (a server's, shared by its engines), else this
         # engine's own publisher when kv_events_endpoint is set; the tiers report to it.
         self._own_events = _own_publisher(self.config) if events is None else None
@@ -95,7 +104,7 @@ class CacheEngine:
         self.event_space = EventSpace(self.namespace.model_id, self.namespace.cache_salt, layout.chunk_size,
                                       layout.tokens_per_block)
         try:
-            self.host = HostTier(capacity, layout.chunk_bytes, pin_memory=pin, events=self.events)
+            self.host = HostTier(capacity, layout.chunk_bytes, pin_memory=pin, clock=clock, events=self.events)
             self.mover: BlockMover = mover or _pick_mover(self.config.transfer_mover, layout)
             self.lower = TierManager.from_config(self.config, self.hasher.seed, self.events) if (
                 self.config.disk_path or self.config.remote_url) else None
@@ -152,7 +161,16 @@ class CacheEngine:
             self._pinner.start_locked()
             self._transfers.attach(device)
 
-    # ---- keys and lookup --------------------------------------------------------------------
+    # ---- what it is ---------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Always: the tiers are in this process (a store or load still needs a registered pool)."""
+        return True
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(layered_loads=self.can_load_by_layer(), async_loads=False)
+
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
         """The keys of ``tokens``' full chunks; their tokens are described to the KV events."""
         keys = self.hasher.chunk_keys(tokens)
@@ -164,25 +182,12 @@ class CacheEngine:
         compute keys with a hasher of their own (only a described chunk is announced)."""
         self.events.describe(keys, tokens, self.event_space)
 
-    def lookup(
-        self,
-        tokens: Sequence[int] | None = None,
-        *,
-        keys: Sequence[ChunkKey] | None = None,
-        skip_tokens: int = 0,
-        lease: Any = None,
-    ) -> int:
+    # ---- lookup -------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[ChunkKey], *, skip_tokens: int = 0, lease: Lease | None = None) -> int:
         """End (in tokens from 0) of the run of cached chunks starting at ``skip_tokens``' chunk."""
-        return self.probe(tokens, keys=keys, skip_tokens=skip_tokens, lease=lease).tokens
+        return self.probe(keys, skip_tokens=skip_tokens, lease=lease).tokens
 
-    def probe(
-        self,
-        tokens: Sequence[int] | None = None,
-        *,
-        keys: Sequence[ChunkKey] | None = None,
-        skip_tokens: int = 0,
-        lease: Any = None,
-    ) -> Hit:
+    def probe(self, keys: Sequence[ChunkKey], *, skip_tokens: int = 0, lease: Lease | None = None) -> Hit:
         """Look the prefix up in host memory, then in the lower tiers.
 
         With ``lease``, the host chunks counted are pinned until ``release(lease)`` or the lease
@@ -190,7 +195,6 @@ class CacheEngine:
         background (pinned under the same lease); ``retrieve`` with that lease waits for them.
         Without a lease nothing is pinned or promoted.
         """
-        keys = self._keys(tokens, keys)
         if skip_tokens < 0:
             raise LayoutError(f"skip_tokens={skip_tokens} must be >= 0")
         size = self.layout.chunk_size
@@ -207,43 +211,53 @@ class CacheEngine:
             self._stats.misses += found + more < len(wanted)
         return Hit((first + found + more) * size, (first + found) * size)
 
+    def try_probe(self, keys: Sequence[ChunkKey], *, skip_tokens: int = 0, lease: Lease | None = None) -> Hit | None:
+        """``probe`` if it cannot block — no lower tier (its lookups do I/O) and the engine's lock
+        free right now — else None, with nothing done (for a caller that must never wait)."""
+        if self.lower is not None or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self.probe(keys, skip_tokens=skip_tokens, lease=lease)
+        finally:
+            self._lock.release()
+
     # ---- leases and promotions ---------------------------------------------------------------
-    def release(self, lease: Any) -> None:
+    def release(self, lease: Lease) -> None:
         """Unpin what ``lease`` holds. A promotion started for it runs on (a prefetch for later
         requests) and drops the pins it adds when it finishes."""
         self._promotions.release(lease)
+
+    def try_release(self, lease: Lease) -> bool:
+        """``release`` if the engine's lock is free right now; False, with nothing done, otherwise."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            self.release(lease)
+            return True
+        finally:
+            self._lock.release()
 
     def wait_promotions(self, timeout: float | None = None) -> None:
         """Block until every promotion started so far has finished (tests, benchmarks, shutdown)."""
         self._promotions.wait_all(timeout)
 
-    def promotion_done(self, lease: Any) -> bool:
+    def promotion_done(self, lease: Lease) -> bool:
         """Whether the lower-tier part of ``lease``'s hit has been read into host memory."""
         return self._promotions.done(lease)
 
-    def promoted_chunks(self, lease: Any) -> int | None:
+    def promoted_chunks(self, lease: Lease) -> int | None:
         """Chunks ``lease``'s finished promotion read into host memory; None while it runs or if none."""
         return self._promotions.promoted(lease)
 
     # ---- store ------------------------------------------------------------------------------
-    def store(
-        self,
-        tokens: Sequence[int] | None,
-        block_ids: Sequence[int],
-        *,
-        keys: Sequence[ChunkKey] | None = None,
-        stream: Any = None,
-    ) -> StoreHandle:
-        """Copy every full, not yet cached chunk of ``tokens`` out of ``pool[block_ids]``."""
+    def store(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, stream: Any = None) -> StoreHandle:
+        """Copy every chunk of ``keys`` not cached yet out of ``pool[block_ids]``."""
         started = time.perf_counter()
-        keys = self._keys(tokens, keys)
-        num_tokens = len(tokens) if tokens is not None else len(keys) * self.layout.chunk_size
-        self._check_blocks(num_tokens, block_ids)
-        chunks = self.layout.full_chunks(num_tokens, len(block_ids))
+        self._check_blocks(len(keys), block_ids)
         bpc = self.layout.blocks_per_chunk
         with self._lock:
             self._transfers.poll_locked()
-            slots = self.host.reserve_many(keys[:chunks])
+            slots = self.host.reserve_many(keys)
             placed = [
                 (keys[c], slot, list(block_ids[c * bpc : (c + 1) * bpc]))
                 for c, slot in enumerate(slots)
@@ -290,114 +304,6 @@ class CacheEngine:
 
         return read
 
-    # ---- retrieve ---------------------------------------------------------------------------
-    def retrieve(
-        self,
-        tokens: Sequence[int] | None,
-        block_ids: Sequence[int],
-        *,
-        keys: Sequence[ChunkKey] | None = None,
-        skip_blocks: int = 0,
-        num_blocks: int | None = None,
-        lease: Any = None,
-        stream: Any = None,
-    ) -> int:
-        """Load cached blocks ``[skip_blocks, skip_blocks+num_blocks)`` of the request into the pool.
-
-        Returns the end, in tokens from 0, of what is then valid (``skip_blocks * B`` if nothing
-        was loaded). Loads stop at the first chunk not cached; the lease taken by ``lookup``
-        guarantees the chunks it counted are still there. ``stream`` (default: the current one)
-        is made to wait for the whole load.
-        """
-        return self._retrieve(tokens, block_ids, keys, skip_blocks, num_blocks, lease, stream, by_layer=False)[0]
-
-    def retrieve_by_layer(
-        self,
-        tokens: Sequence[int] | None,
-        block_ids: Sequence[int],
-        *,
-        keys: Sequence[ChunkKey] | None = None,
-        skip_blocks: int = 0,
-        num_blocks: int | None = None,
-        lease: Any = None,
-        stream: Any = None,
-    ) -> tuple[int, LayeredLoad | None]:
-        """``retrieve``, copied layer by layer where it can be (``can_load_by_layer``): ``stream``
-        is then *not* made to wait, and the caller must wait on the returned ``LayeredLoad``
-        layer by layer before each layer reads the blocks (and wholly before anything else does).
-        Its layers are enqueued as it is waited on, a few ahead (``transfer/layered.py``); what
-        nobody waited for is enqueued by ``wait_all`` and the store handles' ``wait``.
-        The load is ``None`` where it was done whole or nothing was loaded: ``stream`` then waits
-        as after ``retrieve``. Raises ``TransferFailed`` where the copies cannot be enqueued
-        (now, or from the load's ``wait_layer`` later)."""
-        return self._retrieve(tokens, block_ids, keys, skip_blocks, num_blocks, lease, stream,
-                              by_layer=self.can_load_by_layer())
-
-    def can_load_by_layer(self) -> bool:
-        """Whether loads can be split by layer here: a cross-layer pool (one view) on CUDA, a mover
-        that copies by layer, and parts of at least ``LAYER_PART_MIN_BYTES`` (smaller copies run
-        the copy engines far below PCIe speed: H200, run Q, 16 KiB host-to-device copies 0.10 of
-        a plain copy, 64 KiB 0.72 and 128 KiB 0.83 including their issue)."""
-        return (len(self._views) == 1 and self._views[0].is_cuda and self.layout.num_layers > 1
-                and hasattr(self.mover, "scatter_layers")
-                and self.layout.bytes_per_block // self.layout.num_layers >= LAYER_PART_MIN_BYTES)
-
-    def _retrieve(
-        self, tokens: Sequence[int] | None, block_ids: Sequence[int], keys: Sequence[ChunkKey] | None,
-        skip_blocks: int, num_blocks: int | None, lease: Any, stream: Any, *, by_layer: bool,
-    ) -> tuple[int, LayeredLoad | None]:
-        started = time.perf_counter()
-        keys = self._keys(tokens, keys)
-        B, bpc = self.layout.tokens_per_block, self.layout.blocks_per_chunk
-        num_tokens = len(tokens) if tokens is not None else len(keys) * self.layout.chunk_size
-        self._check_blocks(num_tokens, block_ids)
-        # NOTE: skip_blocks is checked even without num_blocks: a negative one would index the
-        # block list from its end and overwrite blocks the engine holds.
-        if skip_blocks < 0 or (num_blocks is not None and num_blocks < 0):
-            raise LayoutError(f"skip_blocks={skip_blocks} and num_blocks={num_blocks} must be >= 0")
-        end_block = min(len(keys) * bpc, len(block_ids))
-        if num_blocks is not None:
-            end_block = min(end_block, skip_blocks + num_blocks)
-        if end_block <= skip_blocks:
-            if lease is not None:
-                self.release(lease)  # nothing to load: the lookup's pins must not outlive the call
-            return skip_blocks * B, None
-        self._promotions.settle(lease)  # a failed promotion is a shorter load, counted below
-        pin = ("load", next(self._tokens))
-        plan: list[tuple[torch.Tensor, list[int], int]] = []
-        with self._lock:
-            self._transfers.poll_locked()
-            first = skip_blocks // bpc
-            cached = list(itertools.takewhile(self.host.contains, keys[first : -(-end_block // bpc)]))
-            if cached:
-                self.host.pin(pin, cached)  # one call for all: a call per chunk cost ~1 us each
-            for c, key in enumerate(cached, first):
-                lo, hi = max(c * bpc, skip_blocks), min((c + 1) * bpc, end_block)  # this chunk's blocks to load
-                plan.append((self.host.slot(key), list(block_ids[lo:hi]), lo - c * bpc))
-            if lease is not None:
-                self.host.release(lease)
-        loaded_blocks = sum(len(ids) for _, ids, _ in plan)
-        if num_blocks is not None and loaded_blocks < end_block - skip_blocks:
-            with self._lock:
-                self._stats.short_loads += 1
-        if not plan:
-            self.release(pin)
-            return skip_blocks * B, None
-        copies = [ChunkCopy(ids, slot, first) for slot, ids, first in plan]
-        layered = None
-        if by_layer:  # enqueued a few layers ahead of the forward as it waits (transfer/layered.py)
-            layers = self.mover.scatter_layers(copies, self._views, self.layout.num_layers)  # type: ignore[attr-defined]
-            layered = self._transfers.start_layered(layers, self.layout.num_layers, lambda: self.host.release(pin), stream)
-        else:
-            self._transfers.run(lambda: self.mover.scatter_many(copies, self._views), lambda: self.host.release(pin),
-                                stream, store=False)
-        with self._lock:
-            self._stats.loaded_chunks += len(plan)
-            self._stats.layered_loads += layered is not None
-            self._stats.bytes_loaded += loaded_blocks * self.layout.bytes_per_block
-            self._stats.load_seconds += time.perf_counter() - started
-        return (skip_blocks + loaded_blocks) * B, layered
-
     # ---- waiting --------------------------------------------------------------------------
     def wait_arena(self, timeout: float | None = None) -> None:
         """Block until the host arena is fully allocated (benchmarks; nothing else needs to wait)."""
@@ -420,27 +326,8 @@ class CacheEngine:
         return self._transfers.side_stream(store, caller)
 
     # ---- checks and stats ----------------------------------------------------------------------
-    def _keys(self, tokens: Sequence[int] | None, keys: Sequence[ChunkKey] | None) -> Sequence[ChunkKey]:
-        if keys is not None:
-            if tokens is not None and len(keys) < len(tokens) // self.layout.chunk_size:
-                raise LayoutError(f"{len(keys)} keys given for {len(tokens)} tokens")
-            return keys
-        if tokens is None:
-            raise LayoutError("either tokens or keys is required")
-        return self.chunk_keys(tokens)
-
-    def _check_blocks(self, num_tokens: int, block_ids: Sequence[int]) -> None:
-        if not self._views:
-            raise LayoutError("no KV pool registered: call register_pool first")
-        needed = -(-num_tokens // self.layout.tokens_per_block)
-        if len(block_ids) < needed:
-            raise LayoutError(
-                f"{len(block_ids)} block ids cannot hold {num_tokens} tokens "
-                f"({self.layout.tokens_per_block} per block: {needed} needed)"
-            )
-        self.layout.check_block_ids(block_ids, distinct=True)
-
     def stats(self) -> EngineStats:
+        """Counters and a snapshot of the tiers (a copy: later calls do not change it)."""
         with self._lock:
             self._transfers.poll_locked()
             self.host.expire_leases()  # report leases past their timeout as gone, not live
@@ -453,7 +340,7 @@ class CacheEngine:
             # An unpinned (CPU) arena grows on demand: nothing is pending for it.
             s.host_pending_chunks = self.host.num_slots - self.host.allocated_slots if self.host.pin_memory else 0
             s.promoting = self._promotions.running
-            s.refused_batches = getattr(self.mover, "refused", 0)
+            s.refused_batches = self.mover.refused
             s.lower = self.lower.stats().tiers if self.lower is not None else []
             return EngineStats(**{**vars(s), "lower": list(s.lower)})
 

@@ -89,6 +89,7 @@ class ChunkHasher:
             raise LayoutError(f"hash_algo {algo!r} is not one of {sorted(DIGESTS)}")
         self.namespace = namespace
         self.chunk_size = namespace.chunk_size
+        self.algo = algo  # a hasher for another namespace (a salted request) takes the same digest
         self._digest = DIGESTS[algo]
         self.seed = namespace.digest(algo)
 

@@ -1,10 +1,11 @@
-"""What ``CacheEngine``'s calls answer (``engine.py`` re-exports them; ``RemoteEngine`` answers the
-same ``Hit``):
+"""What ``CacheEngine``'s calls answer (``engine.py`` re-exports them):
 
     Hit           probe: where the cached run ends, and how much of it is in host memory now
+                  (defined with the contract in ``engine_api.py``; ``RemoteEngine`` answers it too)
     StoreHandle   store: the copies in flight, ``done()`` / ``wait()``
     LayeredLoad   retrieve_by_layer: one event per layer, for the forward to wait on layer by layer
                   (defined with its mechanism in ``transfer/layered.py``)
+    FinishedLoad  retrieve_async: a load done in the call (``engine_api.PendingLoad``)
     EngineStats   stats: counters and a snapshot of the tiers
 """
 
@@ -12,11 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvdepot.engine_api import Hit
 from kvdepot.storage.base import TierStats
 from kvdepot.transfer.inflight import InflightTransfers
-from kvdepot.transfer.layered import LayeredLoad
+from kvdepot.transfer.layered import LayeredLoad, LayerWaits
 
-__all__ = ["EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
+__all__ = ["EngineStats", "FinishedLoad", "Hit", "LayeredLoad", "StoreHandle"]
 
 
 @dataclass
@@ -45,19 +47,6 @@ class EngineStats:
     lower: list[TierStats] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Hit:
-    """A lookup's answer: where the cached run ends, and how much of it is in host memory now."""
-
-    tokens: int  # end of the cached run, in tokens from position 0 (host and lower tiers)
-    host_tokens: int  # end of the part already in host memory
-
-    @property
-    def pending(self) -> bool:
-        """Part of the hit is being promoted from disk/Redis: load it asynchronously."""
-        return self.tokens > self.host_tokens
-
-
 class StoreHandle:
     """A store in flight. ``done()`` is true once every copied chunk is committed."""
 
@@ -70,3 +59,17 @@ class StoreHandle:
     def wait(self) -> None:
         if self._token is not None:
             self._transfers.wait_for(self._token)
+
+
+@dataclass
+class FinishedLoad:
+    """A load answered in the call (in-process ``retrieve_async``): ``PendingLoad``, already done."""
+
+    end: int  # tokens from 0 valid once the stream waited (or ``layered`` was waited on)
+    layered: LayerWaits | None = None
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> int:
+        return self.end

@@ -27,9 +27,9 @@ REDIS = ("BlockStored", "STORAGE", "REMOTE", "redis")
 def test_host_store_then_eviction(make_engine, ctx):
     engine = make_engine(capacity_chunks=2)
     first, second = prompt(1, 2), prompt(2, 2)
-    assert engine.store(first, list(range(4))).chunks == 2
+    assert engine.store(engine.chunk_keys(first), list(range(4))).chunks == 2
     engine.wait_all()
-    assert engine.store(second, list(range(4, 8))).chunks == 2  # evicts both chunks of the first
+    assert engine.store(engine.chunk_keys(second), list(range(4, 8))).chunks == 2  # evicts both chunks of the first
     engine.wait_all()
     events = all_events(ctx, engine.events)
     stored = [e for e in events if where(e) == HOST]
@@ -44,10 +44,10 @@ def test_keys_only_stores_are_announced_once_the_edge_described_them(make_engine
     engine = make_engine()
     tokens = prompt(3, 2)
     keys = engine.hasher.chunk_keys(tokens)  # a hasher of the caller's own: nothing described
-    engine.store(None, list(range(2)), keys=keys[:1])
+    engine.store(keys[:1], list(range(2)))
     engine.wait_all()
     engine.describe(keys, tokens)  # e.g. the vLLM scheduler, which hashes per request salt
-    engine.store(None, list(range(4)), keys=keys)  # chunk 0 is cached: only chunk 1 is new
+    engine.store(keys, list(range(4)))  # chunk 0 is cached: only chunk 1 is new
     engine.wait_all()
     (stored,) = all_events(ctx, engine.events)
     assert stored.token_ids == tokens[CHUNK:]
@@ -60,7 +60,7 @@ def test_disk_store_promotion_and_removal(make_engine, ctx, tmp_path):
     tokens = prompt(4, 2)
     hashes = HASHER.hashes(tokens, TPB)
     writer = make_engine(**disk)
-    writer.store(tokens, list(range(4)))
+    writer.store(writer.chunk_keys(tokens), list(range(4)))
     writer.wait_all()
     writer.lower.flush()
     assert fold(all_events(ctx, writer.events)) == {HOST: (hashes, tokens), DISK: (hashes, tokens)}
@@ -68,7 +68,7 @@ def test_disk_store_promotion_and_removal(make_engine, ctx, tmp_path):
 
     reader = make_engine(name="r", **disk)  # a restarted process: the disk has the chunks, host memory not
     keys = reader.chunk_keys(tokens)  # the edge: where tokens become keys
-    assert reader.probe(keys=keys, lease="req").tokens == len(tokens)
+    assert reader.probe(keys, lease="req").tokens == len(tokens)
     reader.wait_promotions(timeout=10)
     reader.release("req")
     assert fold(all_events(ctx, reader.events)) == {HOST: (hashes, tokens)}  # promoted: announced
@@ -76,7 +76,7 @@ def test_disk_store_promotion_and_removal(make_engine, ctx, tmp_path):
     # one says nothing; a chunk the reader stored itself is announced both ways.
     assert reader.lower.disk.delete(keys[1])
     more = prompt(5, 1)
-    reader.store(more, list(range(4, 6)))
+    reader.store(reader.chunk_keys(more), list(range(4, 6)))
     reader.wait_all()
     reader.lower.flush()
     assert reader.lower.disk.delete(reader.chunk_keys(more)[0])
@@ -91,7 +91,7 @@ def test_disk_eviction_is_announced(make_engine, ctx, tmp_path):
     engine.lower.disk.capacity_bytes = 2 * size  # room for two chunks
     old, new = prompt(5, 2), prompt(6, 2)
     for tokens, ids in ((old, range(4)), (new, range(4, 8))):
-        engine.store(tokens, list(ids))
+        engine.store(engine.chunk_keys(tokens), list(ids))
         engine.wait_all()
         engine.lower.flush()
     folded = fold(all_events(ctx, engine.events))
@@ -102,7 +102,7 @@ def test_disk_eviction_is_announced(make_engine, ctx, tmp_path):
 def test_redis_store_and_keys_found_gone(make_engine, ctx, redis_server):
     engine = make_engine(remote_url=redis_server.url)
     tokens = prompt(7, 2)
-    engine.store(tokens, list(range(4)))
+    engine.store(engine.chunk_keys(tokens), list(range(4)))
     engine.wait_all()
     engine.lower.flush()
     assert fold(all_events(ctx, engine.events))[REDIS] == (HASHER.hashes(tokens, TPB), tokens)

@@ -42,19 +42,19 @@ def test_one_publisher_for_all_ranks_with_tokens_from_the_client(ctx):
                                   tp_rank=r, tp_size=2) for r in range(2)]
             assert all(rank.granted.wants_tokens for rank in ranks)
             keys = ranks[0].chunk_keys(tokens)  # the edge remembers the tokens...
-            ranks[0].lookup(keys=keys, lease=1)  # ...and the lookup by keys carries them
+            ranks[0].lookup(keys, lease=1)  # ...and the lookup by keys carries them
             for rank in ranks:
-                rank.store(None, list(range(BLOCKS)), keys=keys).wait()
+                rank.store(keys, list(range(BLOCKS))).wait()
             events = all_events(ctx, publisher)
             assert fold(events) == {("BlockStored", "CPU", "LOCAL", None): (hashes, tokens)}  # two ranks, once
             assert {e.block_size for e in events} == {TOKENS_PER_BLOCK}
             # Rank 0's arena (three chunks) fills with another prompt: rank 1 still holds the first.
             later = ranks[0].chunk_keys(other)
-            ranks[0].lookup(keys=later, lease=2)
-            ranks[0].store(None, list(range(BLOCKS, 2 * BLOCKS)), keys=later).wait()
+            ranks[0].lookup(later, lease=2)
+            ranks[0].store(later, list(range(BLOCKS, 2 * BLOCKS))).wait()
             kinds = [type(e).__name__ for e in all_events(ctx, publisher)]
             assert "BlockRemoved" not in kinds, kinds
-            ranks[1].store(None, list(range(BLOCKS, 2 * BLOCKS)), keys=later).wait()  # now rank 1 evicts too
+            ranks[1].store(later, list(range(BLOCKS, 2 * BLOCKS))).wait()  # now rank 1 evicts too
             removed = [e for e in all_events(ctx, publisher) if type(e).__name__ == "BlockRemoved"]
             assert sorted(h for e in removed for h in e.block_hashes) == sorted(hashes)
         finally:

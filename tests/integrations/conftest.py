@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdepot.integrations.tensorrt_llm.utils import destroy_engine
+from kvdepot.integrations.tensorrt_llm.providers import destroy_engine
 
 
 @pytest.fixture(autouse=True)

@@ -19,7 +19,7 @@ from kvdepot.integrations.tensorrt_llm.adapter import (
 )
 from kvdepot.integrations.tensorrt_llm.api import RequestData, SchedulerOutput
 from kvdepot.integrations.tensorrt_llm.metadata import KvDepotMetadata
-from kvdepot.integrations.tensorrt_llm.utils import current_engine
+from kvdepot.integrations.tensorrt_llm.providers import current_engine
 from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
 
 TPB = 32
@@ -144,7 +144,7 @@ def test_saves_are_enqueued_after_sampling_not_in_wait_for_save(monkeypatch: pyt
     assert scheduler.request_finished(FakeRequest(1, tokens), blocks) is True
     assert worker.get_finished([1], []) == ([1], [])
     assert engine.stats().stored_chunks == 4
-    assert engine.lookup(tokens) == 256
+    assert engine.lookup(engine.chunk_keys(tokens)) == 256
 
 
 def test_scheduler_answers_no_hit_until_the_worker_registers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,6 +235,6 @@ def test_reload_reuses_the_engine_and_keeps_its_cache(monkeypatch: pytest.Monkey
     new_pool = torch.zeros_like(pool)
     KvDepotConnectorWorker(TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=TPB))).register_kv_caches(new_pool)
     assert current_engine() is engine
-    assert engine.lookup(tokens) == 256
+    assert engine.lookup(engine.chunk_keys(tokens)) == 256
     with pytest.raises(LayoutError):
         worker.register_kv_caches(torch.zeros(8, 3, 2, 4 * TPB * 8))  # another geometry

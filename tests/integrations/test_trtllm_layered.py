@@ -13,7 +13,7 @@ from test_trtllm_e2e import assert_same, engine, filler, prompt
 
 from kvdepot.engine import CacheEngine, LayeredLoad
 from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorWorker
-from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
+from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
 
 
 class RecordedLoad(LayeredLoad):
@@ -142,9 +142,9 @@ def layered(monkeypatch: pytest.MonkeyPatch) -> list:
     """``retrieve_by_layer`` loads whole (correct KV on CPU) and hands back a recorded load."""
     log: list = []
 
-    def retrieve_by_layer(self: CacheEngine, tokens: Any, block_ids: Any, **kw: Any) -> tuple[int, LayeredLoad]:
+    def retrieve_by_layer(self: CacheEngine, keys: Any, block_ids: Any, **kw: Any) -> tuple[int, LayeredLoad]:
         log.append(("load", None))
-        return self.retrieve(tokens, block_ids, **kw), RecordedLoad(self.layout.num_layers, log)
+        return self.retrieve(keys, block_ids, **kw), RecordedLoad(self.layout.num_layers, log)
 
     monkeypatch.setattr(CacheEngine, "retrieve_by_layer", retrieve_by_layer)
     return log

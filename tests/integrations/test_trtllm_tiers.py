@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from test_trtllm_e2e import LOOKUP, assert_same, engine, lookups, prompt  # noqa: I001
 
-from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
+from kvdepot.engine_api import Lease
+from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
 
 
 def test_restarted_process_prefetches_from_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
@@ -79,9 +80,9 @@ def test_corrupt_disk_chunk_is_a_miss_never_wrong_kv(tmp_path: Path, monkeypatch
     victim.write_bytes(bytes(data))
     eng = engine(768)
     depot = current_engine()
-    assert depot.probe(a, lease="probe").tokens == 640  # the disk index counts all ten ...
+    assert depot.probe(depot.chunk_keys(a), lease=Lease("probe")).tokens == 640  # the disk index counts all ten ...
     depot.wait_promotions(timeout=30)
-    depot.release("probe")
+    depot.release(Lease("probe"))
     assert not victim.exists() and depot.stats().lower[0].corrupt == 1  # ... the read finds one bad
     again = eng.generate([a], 4)[0]
     assert lookups(caplog)[again.request_id] == (0, 576, 576)  # nine good chunks, from host memory
@@ -93,7 +94,7 @@ RUN = textwrap.dedent(
     """
     import json, logging, random, sys
     from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorScheduler, KvDepotConnectorWorker
-    from kvdepot.integrations.tensorrt_llm.utils import destroy_engine
+    from kvdepot.integrations.tensorrt_llm.providers import destroy_engine
     from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
     records = []
     class Keep(logging.Handler):
@@ -106,7 +107,7 @@ RUN = textwrap.dedent(
     eng = Engine("tiny", llm_args=args, connector=(KvDepotConnectorScheduler, KvDepotConnectorWorker), seed=0)
     result = eng.generate([a], 4)[0]
     if sys.argv[2] == "twice":  # prefetch mode: the first request promotes, the second hits
-        from kvdepot.integrations.tensorrt_llm.utils import current_engine
+        from kvdepot.integrations.tensorrt_llm.providers import current_engine
         current_engine().wait_promotions(timeout=60)
         eng.generate([[rng.randrange(512) for _ in range(765)]], 4)
         result = eng.generate([a], 4)[0]

@@ -63,7 +63,7 @@ def test_a_layered_load_waited_on_the_wrong_stream_is_caught(monkeypatch, kvdepo
         KvDepotConnectorScheduler,
         KvDepotConnectorWorker,
     )
-    from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
     from kvdepot.transfer.layered import LayeredLoad
 
     monkeypatch.setattr(kvdepot.engine, "LAYER_PART_MIN_BYTES", 0)  # the tiny model's layer parts pass

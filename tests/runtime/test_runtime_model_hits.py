@@ -22,12 +22,12 @@ from typing import Any
 import pytest
 import torch
 
-from kvdepot.integrations.tensorrt_llm import mp_adapter
+from kvdepot.integrations.tensorrt_llm import mp_adapter, providers
 from kvdepot.integrations.tensorrt_llm.adapter import (
     KvDepotConnectorScheduler,
     KvDepotConnectorWorker,
 )
-from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
+from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
 from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
 
 TPB, CHUNK, POOL_TOKENS, NEW = 32, 64, 352, 4
@@ -122,11 +122,11 @@ def test_server_mode_hit_is_the_device_hit(model, device, server_url, monkeypatc
 
     def ready() -> None:
         deadline = time.monotonic() + 20
-        while mp_adapter.current_remote() is None:
+        while providers.current_remote() is None:
             assert time.monotonic() < deadline, "the worker never registered with the server"
             time.sleep(0.01)
 
     try:
         _scenario(model, device, (mp_adapter.KvDepotMPConnectorScheduler, mp_adapter.KvDepotMPConnectorWorker), ready)
     finally:
-        mp_adapter.destroy_remote()
+        providers.destroy_engine()

@@ -33,7 +33,7 @@ def served(workdir):
     client = DepotClient(server.url, timeout_s=5.0, heartbeat_s=0.5, name="threads")  # its PINGs wait 0.5 s
     engine = RemoteEngine(client, make_pool("shm", workdir, seed=3), TOKENS_PER_BLOCK, model_id="threads", mode="shm")
     keys = engine.chunk_keys(prompt(3))
-    engine.store(None, list(range(BLOCKS)), keys=keys).wait()
+    engine.store(keys, list(range(BLOCKS))).wait()
     yield server, client, engine, keys
     client.close()
     server.stop()
@@ -71,7 +71,7 @@ def test_many_threads_share_one_client(served, caplog):
     assert worst[0] < 2.0, worst  # a reply drained by another thread wakes its waiter at once
     assert wait_for(lambda: not client._calls, timeout=2)  # fire-and-forget replies collected
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
-    assert engine.lookup(keys=keys, lease=1) == len(keys) * 16
+    assert engine.lookup(keys, lease=1) == len(keys) * 16
 
 
 def test_a_reply_nobody_asks_for_is_collected(served):

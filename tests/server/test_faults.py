@@ -37,8 +37,8 @@ def test_client_survives_a_killed_server_and_re_registers(workdir, caplog):
         pool = make_pool("shm", workdir, seed=1)
         engine = RemoteEngine(client, pool, TOKENS_PER_BLOCK, model_id="fault", mode="shm")
         keys, ids, dst = engine.chunk_keys(prompt(1)), list(range(BLOCKS)), list(range(16, 16 + BLOCKS))
-        engine.store(None, ids, keys=keys).wait()
-        assert engine.lookup(keys=keys, lease=1) == 5 * CHUNK
+        engine.store(keys, ids).wait()
+        assert engine.lookup(keys, lease=1) == 5 * CHUNK
         expected = pool[:BLOCKS].clone()
 
         caplog.set_level(logging.WARNING, logger="kvdepot")
@@ -48,11 +48,11 @@ def test_client_survives_a_killed_server_and_re_registers(workdir, caplog):
         worst = 0.0
         for i in range(20):  # every call answers, each within the timeout: misses, no store, no load
             started = time.monotonic()
-            assert engine.lookup(keys=keys, lease=10 + i) == 0
-            handle = engine.store(None, ids, keys=keys)
+            assert engine.lookup(keys, lease=10 + i) == 0
+            handle = engine.store(keys, ids)
             handle.wait()
             assert handle.chunks == 0
-            assert engine.retrieve(None, dst, keys=keys) == 0
+            assert engine.retrieve(keys, dst) == 0
             worst = max(worst, time.monotonic() - started)
         assert worst < 3 * TIMEOUT_S + 0.5
         warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -61,11 +61,11 @@ def test_client_survives_a_killed_server_and_re_registers(workdir, caplog):
 
         proc = start_server(url, "--session-timeout-s", "2")  # an empty cache, same URL
         assert wait_for(lambda: engine.ready, timeout=20)  # re-HELLO + re-REGISTER by itself
-        assert engine.lookup(keys=keys, lease=2) == 0
-        engine.store(None, ids, keys=keys).wait()
-        assert engine.lookup(keys=keys, lease=3) == 5 * CHUNK
+        assert engine.lookup(keys, lease=2) == 0
+        engine.store(keys, ids).wait()
+        assert engine.lookup(keys, lease=3) == 5 * CHUNK
         pool[dst] = 0
-        assert engine.retrieve(None, dst, keys=keys, lease=3) == 5 * CHUNK
+        assert engine.retrieve(keys, dst, lease=3) == 5 * CHUNK
         assert torch.equal(pool[dst], expected)
         assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
     finally:
@@ -97,8 +97,8 @@ def test_killed_client_leases_and_mapping_are_released(server_url, workdir):
         assert wait_for(released, timeout=10)
         # The server kept serving: the survivor stores and hits; the dead client's chunks stay cached.
         keys = survivor.chunk_keys(prompt(22))
-        survivor.store(None, list(range(BLOCKS)), keys=keys).wait()
-        assert survivor.lookup(keys=keys, lease=1) == 5 * CHUNK
+        survivor.store(keys, list(range(BLOCKS))).wait()
+        assert survivor.lookup(keys, lease=1) == 5 * CHUNK
         held = next(s for s in stats(observer).shards if s.group == "held")
         assert held.figures["host_chunks"] == 5
         assert held.figures["host_pending_chunks"] == 0  # a CPU pool's arena grows on demand

@@ -157,7 +157,7 @@ def test_ten_thousand_bad_inputs(workdir):
         pool = make_pool("shm", workdir, seed=5)
         victim = RemoteEngine(victim_client, pool, TOKENS_PER_BLOCK, model_id="victim", mode="shm")
         keys = victim.chunk_keys(prompt(5))
-        victim.store(None, list(range(BLOCKS)), keys=keys).wait()
+        victim.store(keys, list(range(BLOCKS))).wait()
         before = next(s for s in stats(victim_client).shards if s.group == "victim").figures
 
         anon, session = _raw(ctx, url), _raw(ctx, url)  # no HELLO / HELLO + a registered bytes pool
@@ -206,8 +206,8 @@ def test_ten_thousand_bad_inputs(workdir):
             assert after[key] == before[key], key
         expected = pool[:BLOCKS].clone()
         dst = list(range(16, 16 + BLOCKS))
-        assert victim.lookup(keys=keys, lease=1) == 5 * CHUNK
-        assert victim.retrieve(None, dst, keys=keys, lease=1) == 5 * CHUNK
+        assert victim.lookup(keys, lease=1) == 5 * CHUNK
+        assert victim.retrieve(keys, dst, lease=1) == 5 * CHUNK
         assert torch.equal(pool[dst], expected)
         assert pool.dtype == DTYPE
         anon.close(0)

@@ -44,17 +44,17 @@ with torch.cuda.stream(stream):
         pool.zero_()
         torch.cuda._sleep(200_000_000)                # a long kernel first: the store must wait for it
         pool[src] = expected[src]
-        handle = remote.store(None, src, keys=keys, stream=stream)
+        handle = remote.store(keys, src, stream=stream)
         handle.wait()
         assert handle.chunks == 4, handle.chunks
     else:
         pool.zero_()
-    assert remote.lookup(keys=keys, lease=1) == 8 * B
+    assert remote.lookup(keys, lease=1) == 8 * B
     torch.cuda._sleep(200_000_000)                    # the load must wait for earlier work ...
     pool[dst] = 1.0                                   # ... such as this write, or it would be lost
     seen = []
     if role == "layered":                             # copied layer by layer, a forward's waits per layer
-        handle = remote.retrieve_async(None, dst, keys=keys, lease=1, stream=stream, by_layer=True)
+        handle = remote.retrieve_async(keys, dst, lease=1, stream=stream, by_layer=True)
         end = handle.result()
         assert handle.layered is not None and handle.layered.num_layers == SHAPE[1], handle.layered
         for layer in range(SHAPE[1]):
@@ -62,7 +62,7 @@ with torch.cuda.stream(stream):
             seen.append(pool[dst, layer].clone())     # what layer ``layer``'s attention would read
         assert handle.layered.fully_waited
     else:
-        end = remote.retrieve(None, dst, keys=keys, lease=1, stream=stream)
+        end = remote.retrieve(keys, dst, lease=1, stream=stream)
     loaded = pool[dst].clone()                        # on the stream: ordered after the load
 stream.synchronize()
 assert end == 8 * B, end

@@ -10,12 +10,12 @@ from mp_helpers import CHUNK, DTYPE, POOL_SHAPE, TOKENS_PER_BLOCK, fill, wait_fo
 
 from kvdepot.config import load_config
 from kvdepot.engine import Hit
-from kvdepot.integrations.tensorrt_llm import mp_adapter
+from kvdepot.integrations.tensorrt_llm import providers
 from kvdepot.integrations.tensorrt_llm.api import RequestData, SchedulerOutput
+from kvdepot.integrations.tensorrt_llm.metadata import KvDepotMetadata
 from kvdepot.integrations.tensorrt_llm.mp_adapter import (
     KvDepotMPConnectorScheduler,
     KvDepotMPConnectorWorker,
-    KvDepotMPMetadata,
 )
 from kvdepot.runtime.llm_args import KvCacheConfig, TorchLlmArgs
 from kvdepot.server.remote import RemoteEngine
@@ -37,7 +37,7 @@ class Request:
 
 
 def _connector(workdir, monkeypatch, **config):
-    monkeypatch.setattr(mp_adapter, "DEFAULT_TIMEOUT_S", 1.0)
+    monkeypatch.setenv("KVDEPOT_SERVER_TIMEOUT_S", "1.0")
     server = DepotServer(f"ipc://{workdir}/a.sock", load_config(chunk_size=CHUNK, **config)).start()
     monkeypatch.setenv("KVDEPOT_SERVER_URL", server.url)  # 1.2's connector config has no server_url
     args = TorchLlmArgs(model="tiny-llama", kv_cache_config=KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK))
@@ -51,7 +51,7 @@ def _connector(workdir, monkeypatch, **config):
 def connector(workdir, monkeypatch):
     parts = _connector(workdir, monkeypatch, host_capacity_gb=0.01)
     yield parts
-    mp_adapter.destroy_remote()
+    providers.destroy_engine()
     parts[3].stop()
 
 
@@ -62,11 +62,11 @@ def disk_connector(workdir, monkeypatch):
     parts = _connector(workdir, monkeypatch, host_capacity_gb=(6 * chunk_bytes + 64) / 1e9,
                        disk_path=str(workdir / "disk"), disk_capacity_gb=0.01)
     yield parts
-    mp_adapter.destroy_remote()
+    providers.destroy_engine()
     parts[3].stop()
 
 
-def step(scheduler, worker, new=(), cached=()) -> KvDepotMPMetadata:
+def step(scheduler, worker, new=(), cached=()) -> KvDepotMetadata:
     meta = scheduler.build_connector_meta(SchedulerOutput(list(new), list(cached)))
     worker.bind_connector_meta(meta)
     worker.start_load_kv(None)
@@ -172,7 +172,7 @@ def test_async_load_completes_through_get_finished(connector, monkeypatch):
         return Hit(real_probe(self, *args, **kw).tokens, 0)
 
     monkeypatch.setattr(RemoteEngine, "probe", staging)
-    remote = mp_adapter.current_remote()
+    remote = providers.current_remote()
     assert scheduler.get_num_new_matched_tokens(Request(4, PROMPT), 0) == (0, False)  # prefetch: host part only
     remote.config = dataclasses.replace(remote.config, lower_tier_hits="async")
     assert scheduler.get_num_new_matched_tokens(Request(5, PROMPT), 0) == (96, True)
@@ -190,7 +190,7 @@ def test_async_load_completes_through_get_finished(connector, monkeypatch):
 def test_server_down_means_misses_and_skipped_saves(connector):
     scheduler, worker, _, server = connector
     server.stop()
-    assert wait_for(lambda: mp_adapter.current_remote() is None, 10)
+    assert wait_for(lambda: providers.current_remote() is None, 10)
     assert scheduler.get_num_new_matched_tokens(Request(9, PROMPT), 0) == (0, False)
     blocks = list(range(13))
     scheduler.update_state_after_alloc(Request(9, PROMPT), blocks)
@@ -201,7 +201,7 @@ def test_server_down_means_misses_and_skipped_saves(connector):
 
 def _evict_to_disk(scheduler, worker, first: list[int]) -> None:
     """Save PROMPT, wait for write-behind, then push it out of host memory with another prompt."""
-    remote = mp_adapter.current_remote()
+    remote = providers.current_remote()
     remote.prefetch_wait_s = 0  # answer from the LOOKUP alone: a fast promotion would count as a host hit
     save_request(scheduler, worker, 1, first)
     assert wait_for(lambda: sum(s.figures.get("disk_chunks", 0) for s in remote.stats().shards) >= 6, 10)
@@ -228,7 +228,7 @@ def test_disk_hit_is_prefetched_for_later_requests_by_default(disk_connector):
 
 def test_disk_hit_is_promoted_then_loaded_asynchronously(disk_connector):
     scheduler, worker, pool, _ = disk_connector
-    remote = mp_adapter.current_remote()
+    remote = providers.current_remote()
     remote.config = dataclasses.replace(remote.config, lower_tier_hits="async")
     first = list(range(13))
     _evict_to_disk(scheduler, worker, first)

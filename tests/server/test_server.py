@@ -31,10 +31,11 @@ from mp_helpers import (
 from kvdepot.config import load_config
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
-from kvdepot.server.client import DepotClient, ServerError, print_stats
+from kvdepot.server.client import DepotClient, ServerError
 from kvdepot.server.paths import tcp_url
 from kvdepot.server.remote import RemoteEngine
 from kvdepot.server.server import DepotServer, ServerAlreadyRunning
+from kvdepot.server.stats_cmd import print_stats
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,18 +60,18 @@ def test_store_then_retrieve_is_bit_exact(server_url, client, workdir, mode):
     assert engine.granted.chunk_size == CHUNK and engine.granted.host_blocks > 0
     tokens = prompt(1)
     keys = engine.chunk_keys(tokens)
-    assert engine.lookup(keys=keys, lease=1) == 0
-    handle = engine.store(None, list(range(BLOCKS)), keys=keys)
+    assert engine.lookup(keys, lease=1) == 0
+    handle = engine.store(keys, list(range(BLOCKS)))
     handle.wait()
     assert handle.chunks == len(keys) == 5
-    assert engine.lookup(keys=keys, lease=2) == 5 * CHUNK
+    assert engine.lookup(keys, lease=2) == 5 * CHUNK
     expected = pool[:BLOCKS].clone()
     dst = list(range(16, 16 + BLOCKS))
-    assert engine.retrieve(None, dst, keys=keys, lease=2) == 5 * CHUNK
+    assert engine.retrieve(keys, dst, lease=2) == 5 * CHUNK
     assert torch.equal(pool[dst], expected)
     # A load that starts inside a chunk writes exactly the blocks asked for, nothing else.
     pool[dst] = 0
-    assert engine.retrieve(None, dst, keys=keys, skip_blocks=3, num_blocks=4) == 7 * TOKENS_PER_BLOCK
+    assert engine.retrieve(keys, dst, skip_blocks=3, num_blocks=4) == 7 * TOKENS_PER_BLOCK
     assert torch.equal(pool[dst[3:7]], expected[3:7])
     assert not pool[dst[:3]].any() and not pool[dst[7:]].any()
     engine.release(2)
@@ -83,15 +84,15 @@ def test_a_load_asked_by_layer_of_a_pool_without_layer_events_is_whole(server_ur
     pool = make_pool("shm", workdir, seed=5)
     engine = remote(client, pool, "by-layer-shm", "shm")
     keys = engine.chunk_keys(prompt(5))
-    engine.store(None, list(range(BLOCKS)), keys=keys).wait()
+    engine.store(keys, list(range(BLOCKS))).wait()
     expected = pool[:BLOCKS].clone()
     dst = list(range(16, 16 + BLOCKS))
     engine.exported._layer_events = [object()]  # pretend: the client believes it can ask
     assert engine.exported.layered
-    assert engine.lookup(keys=keys, lease=3) == 5 * CHUNK
+    assert engine.lookup(keys, lease=3) == 5 * CHUNK
     sent, submit = [], engine.client.submit
     engine.client.submit = lambda msg, **kw: sent.append(msg) or submit(msg, **kw)
-    handle = engine.retrieve_async(None, dst, keys=keys, lease=3, by_layer=True)
+    handle = engine.retrieve_async(keys, dst, lease=3, by_layer=True)
     assert handle.result() == 5 * CHUNK and handle.layered is None
     assert [m.by_layer for m in sent] == [True]  # asked, and answered whole
     engine.client.submit = submit
@@ -103,7 +104,7 @@ def test_a_load_asked_by_layer_of_a_pool_without_layer_events_is_whole(server_ur
 def test_lookup_starts_a_prefetch_and_status_is_queryable(server_url, client, workdir):
     engine = remote(client, make_pool("shm", workdir, seed=2), "prefetch", "shm")
     keys = engine.chunk_keys(prompt(2))
-    engine.store(None, list(range(BLOCKS)), keys=keys).wait()
+    engine.store(keys, list(range(BLOCKS))).wait()
     status, _ = client.call(p.Lookup(11, w.join_keys(keys[:3])))
     assert status == p.PrefetchStatus(True, 3 * CHUNK, 3 * CHUNK)
     assert client.call(p.QueryPrefetch(11))[0] == status
@@ -128,9 +129,9 @@ def test_two_client_processes_share_one_server(server_url, client, workdir):
     pool = torch.zeros(POOL_SHAPE, dtype=DTYPE)
     engine = remote(client, pool, "shared", "bytes")
     keys = engine.chunk_keys(prompt(3))
-    assert engine.lookup(keys=keys, lease=1) == 5 * CHUNK
+    assert engine.lookup(keys, lease=1) == 5 * CHUNK
     dst = list(range(BLOCKS, 2 * BLOCKS))
-    assert engine.retrieve(None, dst, keys=keys, lease=1) == 5 * CHUNK
+    assert engine.retrieve(keys, dst, lease=1) == 5 * CHUNK
     assert torch.equal(pool[dst], make_pool("bytes", workdir, seed=3)[:BLOCKS])
 
 
@@ -141,17 +142,17 @@ def test_tensor_parallel_hit_needs_every_rank(server_url, workdir):
         ranks = [remote(clients[r], pools[r], "tp-model", "shm", tp_rank=r, tp_size=2) for r in range(2)]
         keys = ranks[0].chunk_keys(prompt(4))
         assert keys == ranks[1].chunk_keys(prompt(4))  # rank-free keys
-        ranks[0].store(None, list(range(BLOCKS)), keys=keys).wait()
-        assert ranks[0].lookup(keys=keys, lease=1) == 0  # rank 1 lacks every chunk
-        ranks[1].store(None, list(range(BLOCKS // 2)), keys=keys[:2]).wait()
-        assert ranks[0].lookup(keys=keys, lease=1) == 2 * CHUNK  # both hold 2 chunks
-        ranks[1].store(None, list(range(BLOCKS)), keys=keys).wait()
-        assert ranks[0].lookup(keys=keys, lease=1) == 5 * CHUNK
+        ranks[0].store(keys, list(range(BLOCKS))).wait()
+        assert ranks[0].lookup(keys, lease=1) == 0  # rank 1 lacks every chunk
+        ranks[1].store(keys[:2], list(range(BLOCKS // 2))).wait()
+        assert ranks[0].lookup(keys, lease=1) == 2 * CHUNK  # both hold 2 chunks
+        ranks[1].store(keys, list(range(BLOCKS))).wait()
+        assert ranks[0].lookup(keys, lease=1) == 5 * CHUNK
         expected = [pool[:BLOCKS].clone() for pool in pools]
         dst = list(range(20, 20 + BLOCKS))
         for r in range(2):  # each rank loads its own shard, under the scheduler's lease
             lease = (clients[0].session_id, 1)
-            assert ranks[r].retrieve(None, dst, keys=keys, lease=lease) == 5 * CHUNK
+            assert ranks[r].retrieve(keys, dst, lease=lease) == 5 * CHUNK
             assert torch.equal(pools[r][dst], expected[r])
     finally:
         for c in clients:
@@ -218,7 +219,7 @@ def test_sigterm_stops_cleanly_and_removes_the_socket(workdir):
 
 def test_stats_printer(server_url, client, workdir):
     engine = remote(client, make_pool("bytes", workdir), "stats-model", "bytes")
-    engine.store(None, list(range(BLOCKS)), keys=engine.chunk_keys(prompt(5))).wait()
+    engine.store(engine.chunk_keys(prompt(5)), list(range(BLOCKS))).wait()
     out = io.StringIO()
     assert print_stats(server_url, file=out) == 0
     text = out.getvalue()
@@ -236,8 +237,8 @@ def test_prometheus_endpoint(workdir):
         try:
             engine = remote(c, fill(torch.zeros(POOL_SHAPE, dtype=DTYPE), 0), "metrics", "bytes")
             keys = engine.chunk_keys(prompt(6))
-            engine.store(None, list(range(BLOCKS)), keys=keys).wait()
-            engine.lookup(keys=keys, lease=1)
+            engine.store(keys, list(range(BLOCKS))).wait()
+            engine.lookup(keys, lease=1)
             body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         finally:
             c.close()
@@ -253,7 +254,7 @@ def test_copy_past_its_deadline_is_refused(server_url, client, workdir):
     with pytest.raises(ServerError) as info:
         client.call(late)
     assert info.value.code == p.ErrorCode.DEADLINE_EXCEEDED
-    assert engine.lookup(keys=keys, lease=1) == 0  # nothing was stored
+    assert engine.lookup(keys, lease=1) == 0  # nothing was stored
 
 
 def test_tcp_server_maps_no_files_and_the_client_falls_back_to_bytes(workdir):
@@ -269,9 +270,9 @@ def test_tcp_server_maps_no_files_and_the_client_falls_back_to_bytes(workdir):
             engine = RemoteEngine(c, pool, TOKENS_PER_BLOCK, model_id="tcp", mode="auto")
             assert engine.ready and engine.exported.kind == "bytes"  # refused as shm, re-registered
             keys = engine.chunk_keys(prompt(9))
-            engine.store(None, list(range(BLOCKS)), keys=keys).wait()
+            engine.store(keys, list(range(BLOCKS))).wait()
             dst = list(range(16, 16 + BLOCKS))
-            assert engine.retrieve(None, dst, keys=keys) == 5 * CHUNK
+            assert engine.retrieve(keys, dst) == 5 * CHUNK
             assert torch.equal(pool[dst], pool[:BLOCKS])
         finally:
             c.close()
@@ -287,9 +288,9 @@ def test_prefetch_from_disk_is_pending_until_promoted(workdir):
             pool = make_pool("shm", workdir, seed=12)
             engine = remote(c, pool, "tiers", "shm")
             keys, later = engine.chunk_keys(prompt(12)), engine.chunk_keys(prompt(13))
-            engine.store(None, list(range(BLOCKS)), keys=keys).wait()
+            engine.store(keys, list(range(BLOCKS))).wait()
             assert wait_for(lambda: totals(stats(c)).get("disk_chunks", 0) >= 5, 10)  # write-behind
-            engine.store(None, list(range(BLOCKS, 2 * BLOCKS)), keys=later).wait()  # evicts `keys`
+            engine.store(later, list(range(BLOCKS, 2 * BLOCKS))).wait()  # evicts `keys`
             # Write-behind of `later` pins its slots for a moment; with 5 slots a promotion meeting
             # them all pinned stops short (and then reports fewer tokens ready): let it finish first.
             assert wait_for(lambda: totals(stats(c)).get("disk_chunks", 0) >= 10, 10)
@@ -298,7 +299,7 @@ def test_prefetch_from_disk_is_pending_until_promoted(workdir):
             assert wait_for(lambda: c.call(p.QueryPrefetch(21))[0].done, 10)
             assert c.call(p.QueryPrefetch(21))[0] == p.PrefetchStatus(True, 5 * CHUNK, 5 * CHUNK)
             dst = list(range(20, 20 + BLOCKS))
-            assert engine.retrieve(None, dst, keys=keys, lease=21) == 5 * CHUNK
+            assert engine.retrieve(keys, dst, lease=21) == 5 * CHUNK
             assert torch.equal(pool[dst], pool[:BLOCKS])
             c.call(p.Release(21))
             assert totals(stats(c))["live_leases"] == 0
@@ -319,10 +320,10 @@ def test_tensor_parallel_ranks_never_share_disk_objects(workdir):
             assert ranks[0].granted.disk_blocks > 0
             keys, later = ranks[0].chunk_keys(prompt(30)), ranks[0].chunk_keys(prompt(31))
             for engine in ranks:
-                engine.store(None, list(range(BLOCKS)), keys=keys).wait()
+                engine.store(keys, list(range(BLOCKS))).wait()
             assert wait_for(lambda: totals(stats(clients[0])).get("disk_chunks", 0) >= 10, 10)
             for engine in ranks:  # push `keys` out of host memory on both ranks
-                engine.store(None, list(range(BLOCKS, 2 * BLOCKS)), keys=later).wait()
+                engine.store(later, list(range(BLOCKS, 2 * BLOCKS))).wait()
             # Let write-behind of `later` finish: its reads pin host slots for a moment, and with 5
             # slots per rank a promotion that finds every slot pinned loads fewer chunks.
             assert wait_for(lambda: totals(stats(clients[0])).get("disk_chunks", 0) >= 20, 10)
@@ -331,7 +332,7 @@ def test_tensor_parallel_ranks_never_share_disk_objects(workdir):
             dst = list(range(20, 20 + BLOCKS))
             for r in range(2):
                 lease = (clients[0].session_id, 3)
-                assert ranks[r].retrieve(None, dst, keys=keys, lease=lease) == 5 * CHUNK
+                assert ranks[r].retrieve(keys, dst, lease=lease) == 5 * CHUNK
                 assert torch.equal(pools[r][dst], pools[r][:BLOCKS]), f"rank {r} got another rank's bytes"
         finally:
             for c in clients:

@@ -17,7 +17,7 @@ from kvdepot.config import load_config
 from kvdepot.errors import ConfigError
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
-from kvdepot.storage.base import TierStats
+from kvdepot.storage.base import CopyInto, TierStats
 from kvdepot.storage.disk import OFFSET, DiskTier
 from kvdepot.storage.host import HostTier
 from kvdepot.storage.manager import SecondHit, TierManager, TierSizes, size_tiers
@@ -38,7 +38,7 @@ def payload(i: int) -> bytes:
     return bytes([i % 256]) * 512
 
 
-class MemoryTier:
+class MemoryTier(CopyInto):
     """A reference lower tier in a dict; ``gate`` (when set) holds every put until it opens."""
 
     def __init__(self, name: str = "memory") -> None:

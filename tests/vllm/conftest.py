@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvdepot.integrations.vllm.layout import destroy_engine
+from kvdepot.integrations.vllm.providers import destroy_engine
 
 
 @pytest.fixture(scope="session")

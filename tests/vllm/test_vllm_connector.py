@@ -24,6 +24,8 @@ from vllm_rig import (
     serve_miss,
 )
 
+from kvdepot.engine_api import Lease
+
 pytestmark = pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON)
 
 
@@ -133,7 +135,7 @@ def test_a_chunk_lost_before_its_load_is_reported_as_a_load_error(tmp_path) -> N
     req = request("b", TOKENS)
     assert rig.sched.get_num_new_matched_tokens(req, 0)[0] == 64
     eng = engine()
-    eng.release("b")  # as if the lease had expired ...
+    eng.release(Lease("b"))  # as if the lease had expired ...
     assert eng.host.delete(eng.chunk_keys(TOKENS)[1])  # ... and the second chunk was evicted
     rig.sched.update_state_after_alloc(req, blocks([6, 7, 8, 9, 10]), 64)
     rig.step(new_step("b", [6, 7, 8, 9, 10], 64, 16), computed_blocks=[10])

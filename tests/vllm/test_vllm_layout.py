@@ -12,6 +12,7 @@ import torch
 
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
+from kvdepot.engine_api import Lease
 from kvdepot.errors import LayoutError
 from kvdepot.integrations.vllm.layout import (
     block_view,
@@ -75,17 +76,17 @@ def test_store_then_retrieve_into_other_blocks_is_bit_exact(order: str) -> None:
     caches = make_caches(order)
     fill(caches, seed=1)
     engine = engine_for(caches)
-    tokens = list(range(100, 116))  # two chunks of 8 tokens = 4 blocks of 4
+    keys = engine.chunk_keys(list(range(100, 116)))  # two chunks of 8 tokens = 4 blocks of 4
     src, dst = [1, 2, 7, 8], [9, 3, 10, 4]
-    assert engine.store(tokens, src).chunks == 2
-    assert engine.lookup(tokens, lease="r") == 16
-    assert engine.retrieve(tokens, dst, lease="r") == 16
+    assert engine.store(keys, src).chunks == 2
+    assert engine.lookup(keys, lease=Lease("r")) == 16
+    assert engine.retrieve(keys, dst, lease=Lease("r")) == 16
     for t in caches.values():
         for s, d in zip(src, dst, strict=True):
             assert torch.equal(t[d], t[s])  # every layer, K and V, bit for bit
     untouched = [b for b in range(NB) if b not in dst]
     before = {name: t[untouched].clone() for name, t in caches.items()}
-    engine.retrieve(tokens, dst, skip_blocks=1)  # blocks the engine holds are never rewritten
+    engine.retrieve(keys, dst, skip_blocks=1)  # blocks the engine holds are never rewritten
     for name, t in caches.items():
         assert torch.equal(t[untouched], before[name])
     stats = engine.stats()

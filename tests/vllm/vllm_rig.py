@@ -123,7 +123,7 @@ def empty_step(preempted: set[str] = frozenset()) -> Any:
 
 
 def engine():
-    from kvdepot.integrations.vllm.layout import current_engine
+    from kvdepot.integrations.vllm.providers import current_engine
 
     return current_engine()
 

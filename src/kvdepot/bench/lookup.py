@@ -39,11 +39,11 @@ def _measure(args: argparse.Namespace, algo: str) -> dict:
     tokens_np = np.random.default_rng(0).integers(0, 128_000, size=args.tokens, dtype=np.int64)
     tokens = tokens_np.tolist()
     keys = engine.chunk_keys(tokens)
-    engine.store(None, list(range(chunks)), keys=keys)
+    engine.store(keys, list(range(chunks)))
     key_list = median_seconds(lambda: engine.chunk_keys(tokens), cpu, args.reps)
     key_np = median_seconds(lambda: engine.chunk_keys(tokens_np), cpu, args.reps)
-    look = median_seconds(lambda: engine.lookup(keys=keys), cpu, args.reps)
-    assert engine.lookup(keys=keys) == chunks * args.chunk_size
+    look = median_seconds(lambda: engine.lookup(keys), cpu, args.reps)
+    assert engine.lookup(keys) == chunks * args.chunk_size
     return {
         "hash": algo,
         "tokens": args.tokens,

@@ -123,7 +123,7 @@ def run(args: Any) -> list[dict]:
 def _rates(engine: Any, moved: int, device: torch.device, reps: int) -> dict[str, float]:
     """Store fresh chunks from random blocks; load stored ones into other random blocks."""
     rng, counter = random.Random(0), iter(range(1 << 40))
-    rows = engine.pool.shape[0] if hasattr(engine, "pool") else engine.layout.num_blocks
+    rows = engine.layout.num_blocks
     B = engine.layout.tokens_per_block
 
     def batch() -> tuple[list[bytes], list[int]]:
@@ -132,7 +132,7 @@ def _rates(engine: Any, moved: int, device: torch.device, reps: int) -> dict[str
     stored: list[list[bytes]] = []
 
     def store(keys: list[bytes], block_ids: list[int]) -> None:
-        handle = engine.store(None, block_ids, keys=keys)
+        handle = engine.store(keys, block_ids)
         handle.wait()
         if handle.chunks != len(keys):  # dropped: the arena is not all there yet (or all pinned)
             raise _Dropped(f"a store placed {handle.chunks} of {len(keys)} chunks; refusing to time it")
@@ -155,7 +155,7 @@ def _rates(engine: Any, moved: int, device: torch.device, reps: int) -> dict[str
     held, targets = stored[-1], rng.sample(range(rows), moved)
 
     def retrieve() -> None:
-        if engine.retrieve(None, targets, keys=held) != moved * B:  # a miss would time as infinitely fast
+        if engine.retrieve(held, targets) != moved * B:  # a miss would time as infinitely fast
             raise RuntimeError("benchmark retrieve found its chunks evicted")
 
     load_s = median_seconds(retrieve, device, reps)

@@ -263,7 +263,7 @@ def _redis(args: argparse.Namespace, url: str, payload: bytes, cost: dict[str, f
 def _ttft(args: argparse.Namespace, disk_dir: Path, url: str | None) -> list[dict]:
     from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorScheduler as Sched
     from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorWorker as Worker
-    from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
     from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
 
     saved, threads = {k: v for k, v in os.environ.items() if k.startswith("KVDEPOT_")}, torch.get_num_threads()

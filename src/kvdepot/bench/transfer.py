@@ -79,7 +79,7 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
     batches = [(fresh_keys(), ids()) for _ in range(4 + 6 * args.reps + 16)]
 
     def store(count: int = 1) -> None:
-        pending = [(engine.store(None, block_ids, keys=keys), keys) for keys, block_ids in batches[-count:]]
+        pending = [(engine.store(keys, block_ids), keys) for keys, block_ids in batches[-count:]]
         del batches[-count:]
         for handle, keys in pending:
             handle.wait()
@@ -97,15 +97,15 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
     # What one store costs a matmul running beside it (kernels occupy SMs; copy engines none).
     share = compute_share(store, store_s, device) if device.type == "cuda" else float("nan")
     held = fresh_keys()
-    engine.store(None, ids(), keys=held).wait()
+    engine.store(held, ids()).wait()
 
     def load_held(block_ids: list[int]) -> None:
-        if engine.retrieve(None, block_ids, keys=held) != moved * args.tokens_per_block:
+        if engine.retrieve(held, block_ids) != moved * args.tokens_per_block:
             raise RuntimeError("benchmark retrieve found its chunks evicted")  # would time as infinitely fast
 
     def retrieve() -> None:
         # A lookup precedes every load, as in an engine: it is also what keeps ``held`` recently used.
-        engine.lookup(keys=held)
+        engine.lookup(held)
         load_held(batches[-1][1])
 
     load_s, h2d_s, load_ratio = paired_seconds(retrieve, copies.h2d, device, args.reps)
@@ -117,8 +117,8 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
         (Stores first: a load makes the caller's stream wait, and a later store waits for that.)"""
         taken = batches[-pairs:]
         del batches[-pairs:]
-        engine.lookup(keys=held)
-        handles = [engine.store(None, block_ids, keys=keys) for keys, block_ids in taken]
+        engine.lookup(held)
+        handles = [engine.store(keys, block_ids) for keys, block_ids in taken]
         for _keys, block_ids in batches[-pairs:]:
             load_held(block_ids)
         for handle in handles:

@@ -83,8 +83,7 @@ def _engine(args: argparse.Namespace, max_tokens: int, connected: bool, server_u
 
 def _ready(server_url: str | None) -> None:
     """Wait until the connector's engine is usable: the arena pinned, or the server registration made."""
-    from kvdepot.integrations.tensorrt_llm.mp_adapter import current_remote
-    from kvdepot.integrations.tensorrt_llm.utils import current_engine
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine, current_remote
 
     if server_url is None:
         current_engine().wait_arena()  # steady state: a serving engine has pinned its arena long ago
@@ -109,11 +108,9 @@ def _server_arena_allocated(stats) -> bool:
 
 
 def _teardown() -> None:
-    from kvdepot.integrations.tensorrt_llm.mp_adapter import destroy_remote
-    from kvdepot.integrations.tensorrt_llm.utils import destroy_engine
+    from kvdepot.integrations.tensorrt_llm.providers import destroy_engine
 
-    destroy_engine()
-    destroy_remote()
+    destroy_engine()  # in either mode (and the server connections)
 
 
 def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None = None) -> list[dict]:
@@ -176,7 +173,7 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
             "partial/(suffix+load)": partial.ttft_s / (floor.ttft_s + n * kv_per_token / (h2d * 1e9)),
         })
     if server_url is None:
-        from kvdepot.integrations.tensorrt_llm.utils import current_engine
+        from kvdepot.integrations.tensorrt_llm.providers import current_engine
 
         stats = current_engine().stats()
         assert stats.live_leases == 0, stats
@@ -200,10 +197,10 @@ class _ConnectorClock:
         self.seconds, self._depth, self._patches = 0.0, 0, contextlib.ExitStack()
 
     def __enter__(self) -> _ConnectorClock:
-        from kvdepot.integrations.tensorrt_llm import adapter
+        from kvdepot.integrations.tensorrt_llm.scheduler import KvDepotScheduler
+        from kvdepot.integrations.tensorrt_llm.worker import KvDepotWorker
 
-        for cls, names in ((adapter.KvDepotConnectorScheduler, self.HOOKS["scheduler"]),
-                           (adapter.KvDepotConnectorWorker, self.HOOKS["worker"])):
+        for cls, names in ((KvDepotScheduler, self.HOOKS["scheduler"]), (KvDepotWorker, self.HOOKS["worker"])):
             for name in names:
                 self._patches.enter_context(mock.patch.object(cls, name, self._timed(cls.__dict__[name])))
         return self
@@ -227,8 +224,7 @@ class _ConnectorClock:
 
 def _layered_loads(server_url: str | None) -> int:
     """Loads issued by layer so far: the in-process engine's count, or the server shards'."""
-    from kvdepot.integrations.tensorrt_llm.mp_adapter import current_remote
-    from kvdepot.integrations.tensorrt_llm.utils import current_engine
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine, current_remote
 
     if server_url is None:
         return current_engine().stats().layered_loads
@@ -242,7 +238,7 @@ def _misses(args: argparse.Namespace) -> list[dict]:
     gives one ratio; the overheads are the medians of those ratios. Two engines run one after the
     other (the earlier design) differed by up to 15% in decode speed on the H200 between runs
     minutes apart: more than the 2% this is meant to resolve."""
-    from kvdepot.integrations.tensorrt_llm.utils import current_engine
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine
 
     _teardown()
     size = args.miss_length + args.decode_tokens + 64
@@ -351,7 +347,7 @@ def run(args: argparse.Namespace) -> dict:
         kv_gb = 2.5 * max(lengths) * _kv_bytes_per_token(args) / 1e9
         with running_server("--chunk-size", "256", "--host-capacity-gb", f"{max(kv_gb, 0.05):.3f}") as url:
             hits += _hits(args, lengths, h2d, "mp", server_url=url)
-            from kvdepot.server.client import print_stats
+            from kvdepot.server.stats_cmd import print_stats
 
             print_stats(url)  # the server's tier counters after the MP rows (drops, evictions, pins)
     print_table(title, hits)

@@ -5,8 +5,8 @@
       .submit(msg, payloads) -> Future             the same, without waiting
       .on_connect(fn) / .remove_hook(fn)           replayed after every HELLO (e.g. REGISTER)
       .ready / .session_id / .close()
-    print_stats(url) -> exit code                  ``kvdepot stats``
-    send_frames / recv_frames / readable           non-blocking framing on a shared socket (server too)
+    ServerUnavailable / ServerError                how calls fail (``calls.py``)
+Framing on the shared socket is ``frames.py``; ``kvdepot stats`` is ``stats_cmd.py``.
 
 One DEALER socket per client, shared by the threads that use it under a lock that is held only
 for non-blocking socket operations. No hand-off between threads on a call: the calling thread
@@ -39,26 +39,27 @@ import itertools
 import logging
 import os
 import select
-import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from typing import IO, Any
 
 import msgspec
 import zmq
 
-from kvdepot.errors import KVDepotError, TierUnavailable
+from kvdepot.errors import KVDepotError
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
-from kvdepot.server.metrics import format_stats
+from kvdepot.server.calls import Call, Reply, ServerError, ServerUnavailable
+from kvdepot.server.frames import readable, recv_frames, send_frames
 from kvdepot.server.paths import check_url, default_url
 
 logger = logging.getLogger("kvdepot")
+
+# ServerError/ServerUnavailable are raised to callers; the framing stays importable from here too.
+__all__ = ["DepotClient", "ServerError", "ServerUnavailable", "readable", "recv_frames", "send_frames"]
 
 Result = tuple[msgspec.Struct, list[memoryview]]
 
@@ -66,44 +67,11 @@ _IDLE_POLL_S = 0.05  # the longest any thread sleeps without re-checking deadlin
 _RETRY_SEND_S = 0.01  # how soon a message ZMQ refused (no live peer yet) is offered again
 
 
-class ServerUnavailable(TierUnavailable):
-    """No (timely) answer from the server; the caller treats it as a miss."""
+class _Waiter(threading.local):
+    """A waiting thread's poll set (the socket's fd and its wake-up pipe), made at its first wait."""
 
-
-class ServerError(KVDepotError):
-    """The server answered with an error reply."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(f"{p.ErrorCode(code).name if code in p.ErrorCode._value2member_map_ else code}: {message}")
-        self.code, self.message = code, message
-
-
-class _Reply(Future):
-    """A call's future whose ``result()`` and ``done()`` read the socket in the asking thread."""
-
-    def __init__(self, client: DepotClient, req_id: int) -> None:
-        super().__init__()
-        self._client, self._req_id = client, req_id
-        self._waker: tuple[int, int] | None = None  # (thread id, wake-up pipe) of its waiting thread
-
-    def done(self) -> bool:
-        if not super().done():
-            self._client._drain_now()
-        return super().done()
-
-    def result(self, timeout: float | None = None) -> Any:
-        return super().result(self._client._wait(self, timeout))
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return super().exception(self._client._wait(self, timeout))
-
-
-@dataclass
-class _Call:
-    future: Future
-    reply: type[msgspec.Struct]
-    deadline: float
-    timeout: float
+    poller: select.poll | None = None
+    wake_r = wake_w = -1
 
 
 class DepotClient:
@@ -120,7 +88,7 @@ class DepotClient:
         self._sock_lock = threading.RLock()  # the socket and _unsent; held for non-blocking calls only
         self._unsent: deque[tuple[int, list[p.Buffer]]] = deque()  # in order, ZMQ could not take yet
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self._calls: dict[int, _Call] = {}
+        self._calls: dict[int, Call] = {}
         self._calls_lock = threading.Lock()  # _calls and _waiters
         self._waiters = 0  # threads in _wait
         self._ids = itertools.count(1)
@@ -132,7 +100,7 @@ class DepotClient:
         self._warn_lock = threading.Lock()
         self._warned = not log_outages  # True: the one warning per outage has been logged
         self._log_outages = log_outages
-        self._local = threading.local()  # per thread that waits: a poll set and a wake-up pipe
+        self._local = _Waiter()  # per thread that waits: a poll set and a wake-up pipe
         self._pipes: list[int] = []  # every such pipe's fds, closed with the client
         self._io = threading.Thread(target=self._io_loop, name="kvdepot-client-io", daemon=True)
         self._io.start()
@@ -164,7 +132,7 @@ class DepotClient:
         """Send now, from this thread. The future's ``result()`` waits for the reply in the thread
         that asks; a future nobody asks about is settled by the I/O thread's next tick."""
         req_id = next(self._ids)
-        future = _Reply(self, req_id)
+        future = Reply(self, req_id)
         if self._closed.is_set() or not (handshake or self._ready.is_set()):
             future.set_exception(ServerUnavailable(f"kvdepot server {self.url} is not connected"))
             return future
@@ -172,7 +140,7 @@ class DepotClient:
         frames = w.request_frames(op, req_id, msg, payloads)
         timeout = self.timeout_s if timeout is None else timeout
         with self._calls_lock:
-            self._calls[req_id] = _Call(future, p.OPS[op].reply, time.monotonic() + timeout, timeout)
+            self._calls[req_id] = Call(future, p.OPS[op].reply, time.monotonic() + timeout, timeout)
         with self._sock_lock:
             self._unsent.append((req_id, frames))
             self._pump_locked()
@@ -191,7 +159,7 @@ class DepotClient:
         except FutureTimeout:
             raise ServerUnavailable(f"no reply from {self.url} in {wait:.1f} s") from None
 
-    def _wait(self, future: _Reply, timeout: float | None) -> float | None:
+    def _wait(self, future: Reply, timeout: float | None) -> float | None:
         """Read the socket in this thread until ``future`` is settled, its deadline passes (it is
         then settled as unavailable), or ``timeout`` runs out; returns what is left of
         ``timeout``. Sleeps outside the lock."""
@@ -199,7 +167,7 @@ class DepotClient:
             return timeout
         limit = time.monotonic() + timeout if timeout is not None else float("inf")
         local = self._local
-        if not hasattr(local, "poller"):  # once per thread: a poll set of the socket's fd and a waker
+        if local.poller is None:  # once per thread: a poll set of the socket's fd and a waker
             local.wake_r, local.wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             with self._calls_lock:
                 self._pipes += [local.wake_r, local.wake_w]
@@ -244,7 +212,7 @@ class DepotClient:
             finally:
                 self._sock_lock.release()
 
-    def _late(self, call: _Call) -> ServerUnavailable:
+    def _late(self, call: Call) -> ServerUnavailable:
         return ServerUnavailable(f"no reply from {self.url} within {call.timeout:g} s")
 
     def _settle(self, req_id: int, result: Result | None = None, error: BaseException | None = None) -> None:
@@ -261,7 +229,7 @@ class DepotClient:
             call.future.set_exception(error)
         else:
             call.future.set_result(result)
-        waker = getattr(call.future, "_waker", None)
+        waker = call.future._waker
         if waker is not None and waker[0] != threading.get_ident():
             with contextlib.suppress(BlockingIOError, OSError):
                 os.write(waker[1], b"\0")
@@ -421,50 +389,3 @@ class DepotClient:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._ctx.term()
-
-
-# ---- frames on a shared socket (also the server's) ----------------------------------------------
-# Plain ints: pyzmq's enum flags cost microseconds per operation on the hot path.
-_NOBLOCK, _SNDMORE, _RCVMORE, _EVENTS, _POLLIN = (int(c) for c in (zmq.NOBLOCK, zmq.SNDMORE, zmq.RCVMORE,
-                                                                   zmq.EVENTS, zmq.POLLIN))
-
-
-def readable(sock: zmq.Socket) -> bool:
-    """ZMQ_EVENTS has POLLIN; reading the option processes pending commands (the fd's signal)."""
-    return bool(sock.getsockopt(_EVENTS) & _POLLIN)
-
-
-def send_frames(sock: zmq.Socket, frames: Sequence[p.Buffer], small: int) -> None:
-    """Send one message without blocking; a message of at most ``small`` frames (no payloads) is
-    copied, cheaper than zero-copy frames for a few bytes. ``zmq.Again`` if ZMQ cannot take it."""
-    copy, last = len(frames) <= small, len(frames) - 1
-    for i, frame in enumerate(frames):
-        sock.send(frame, _NOBLOCK | (_SNDMORE if i < last else 0), copy=copy)
-
-
-def recv_frames(sock: zmq.Socket, small: int) -> list[p.Buffer]:
-    """One whole message, received without blocking (ZMQ delivers all parts at once): its first
-    ``small`` frames as bytes, the rest (payloads) zero-copy."""
-    frames: list[p.Buffer] = [sock.recv(_NOBLOCK)]
-    while sock.getsockopt(_RCVMORE):
-        frames.append(sock.recv(_NOBLOCK) if len(frames) < small else sock.recv(_NOBLOCK, copy=False).buffer)
-    return frames
-
-
-def print_stats(url: str | None = None, file: IO[str] | None = None, timeout_s: float = 2.0) -> int:
-    """Print a running server's live figures; 0 on success, 1 if no server answers."""
-    url = url or default_url()
-    client = DepotClient(url, timeout_s=timeout_s, heartbeat_s=3600.0, name="kvdepot-stats", connect=False,
-                         log_outages=False)
-    try:
-        if not client.connect():
-            print(f"kvdepot: no server answering at {url}", file=sys.stderr)
-            return 1
-        stats, _ = client.call(p.GetStats())
-        print(format_stats(stats), file=file or sys.stdout)  # type: ignore[arg-type]
-        return 0
-    except KVDepotError as exc:
-        print(f"kvdepot: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        client.close()

@@ -1,15 +1,23 @@
-"""``RemoteEngine``: the part of ``CacheEngine``'s surface the adapters use, served by a server.
+"""``RemoteEngine``: ``engine_api.Engine`` served by a kvdepot server (see that module for the
+primitives' pre- and post-conditions; both engines pass ``tests/test_engine_contract.py``).
 
     RemoteEngine(client, pool, tokens_per_block, model_id=, cache_salt=, tp_rank=, tp_size=, mode=)
     RemoteEngine.for_views(client, views | None, layout, model_id=, ...)   per-layer block views
       ready                                 registered with a live server
       chunk_keys(tokens) / hasher / layout  rank-free keys with the server's chunk size
-      probe(keys=, skip_tokens=, lease=rid) -> Hit      LOOKUP (+ QUERY_PREFETCH_STATUS polling)
+      probe(keys, skip_tokens=, lease=) -> Hit          LOOKUP (+ QUERY_PREFETCH_STATUS polling)
       lookup(...) -> int                    probe(...).tokens
-      release(rid)                          fire-and-forget RELEASE
-      store(None, block_ids, keys=, stream=) -> handle (.done(), .wait(), .chunks)
-      retrieve(None, block_ids, keys=, skip_blocks=, num_blocks=, lease=, stream=) -> int
-      retrieve_async(...) -> handle (.done(), .result())
+      release(lease)                        fire-and-forget RELEASE
+      promotion_done(lease) -> bool         QUERY_PREFETCH_STATUS
+      store(keys, block_ids, stream=) -> handle (.done(), .wait(), .chunks)
+      retrieve(keys, block_ids, skip_blocks=, num_blocks=, lease=, stream=) -> int
+      retrieve_by_layer(...) -> (int, LayerWaits | None)
+      retrieve_async(..., by_layer=) -> handle (.done(), .result(), .layered)
+
+Leases are ``engine_api.Lease``s (an int ``request_id``): a probe and a release name the caller's
+own session's lease; a load may name another session's (``Lease(rid, session=...)``: the worker
+loading under its scheduler's lease). The older forms (an int rid, a ``(session, rid)`` pair) are
+still taken until the connectors have moved to ``Lease``.
 
 Per-layer block views (``transfer.base``: block ``b`` is ``views[0][b] ‖ views[1][b] ‖ …``, e.g.
 vLLM's caches) register the geometry of ``PoolLayout.from_views``; their blocks always travel
@@ -41,14 +49,14 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from kvdepot.config import DepotConfig, load_config
-from kvdepot.engine import Hit
+from kvdepot.engine_api import Capabilities, Hit, Lease
 from kvdepot.errors import Irrecoverable, KVDepotError
 from kvdepot.keys import ChunkHasher, ChunkKey
 from kvdepot.layout import PoolLayout
@@ -63,6 +71,7 @@ logger = logging.getLogger("kvdepot")
 _RECENT_PROMPTS = 1024  # prompts whose tokens a KV-event server may still be sent
 
 REGISTER_TIMEOUT_S = 60.0
+AnyLease = Lease | int | tuple[int, int]  # the older forms go once the connectors pass ``Lease``
 
 
 class _Handle:
@@ -129,8 +138,8 @@ class RemoteEngine:
             self.exported = ExportedPool(self._views[0] if self._views else torch.empty(0), p.BytesPool())
         else:
             raise ValueError("RemoteEngine needs a pool, or a layout (and optionally its block views)")
-        self.layout: PoolLayout | None = None
-        self.hasher: ChunkHasher | None = None
+        self._layout: PoolLayout | None = None
+        self._hasher: ChunkHasher | None = None
         self.granted: p.RegisterReply | None = None
         # KV events (server with kv_events_endpoint): the tokens of recent prompts, by last key, so
         # a lookup by keys can carry them to the server (docs/events.md).
@@ -146,7 +155,26 @@ class RemoteEngine:
 
     @property
     def ready(self) -> bool:
-        return self.layout is not None and self.client.ready
+        return self._layout is not None and self.client.ready
+
+    @property
+    def layout(self) -> PoolLayout:
+        """The pool's layout with the server's chunk size; raises before the first registration."""
+        if self._layout is None:
+            raise Irrecoverable("not registered with a kvdepot server yet")
+        return self._layout
+
+    @property
+    def hasher(self) -> ChunkHasher:
+        """Rank-free chunk keys as the server derives them; raises before the first registration."""
+        if self._hasher is None:
+            raise Irrecoverable("not registered with a kvdepot server yet")
+        return self._hasher
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """Loads by layer where the pool exported layer events (the server may still answer whole)."""
+        return Capabilities(layered_loads=self.exported.layered, async_loads=True)
 
     @property
     def tokens_per_block(self) -> int:
@@ -175,9 +203,9 @@ class RemoteEngine:
         hasher = ChunkHasher(ns, reply.hash_algo)
         if hasher.seed != reply.namespace_digest:
             raise Irrecoverable("the server derives chunk keys differently (another kvdepot version?)")
-        if self.hasher is not None and self.hasher.seed != hasher.seed:
+        if self._hasher is not None and self._hasher.seed != hasher.seed:
             raise Irrecoverable("the server's chunk_size/hash_algo changed since this engine started; restart the engine")
-        self.layout, self.hasher, self.granted = layout, hasher, reply
+        self._layout, self._hasher, self.granted = layout, hasher, reply
         logger.info("kvdepot: registered %s pool rank %d/%d with %s: chunk %d tokens, %d host blocks granted",
                     self.exported.kind, self.tp_rank, self.tp_size, self.client.url, reply.chunk_size, reply.host_blocks)
 
@@ -197,8 +225,6 @@ class RemoteEngine:
 
     # ---- keys and lookups -----------------------------------------------------------------------
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
-        if self.hasher is None:
-            raise Irrecoverable("not registered with a kvdepot server yet")
         keys = self.hasher.chunk_keys(tokens)
         self.describe(keys, tokens)
         return keys
@@ -215,21 +241,30 @@ class RemoteEngine:
 
     def _tokens_for(self, keys: Sequence[ChunkKey], tokens: Sequence[int] | None) -> list[int]:
         """What a LOOKUP carries beside its keys: nothing, unless the server asked for tokens."""
-        if not keys or self.granted is None or not self.granted.wants_tokens or self.layout is None:
+        if not keys or self.granted is None or not self.granted.wants_tokens or self._layout is None:
             return []
         if tokens is None:
             with self._recent_lock:
                 tokens = self._recent_tokens.get(keys[-1])
-        return [] if tokens is None else list(tokens[: len(keys) * self.layout.chunk_size])
+        return [] if tokens is None else list(tokens[: len(keys) * self._layout.chunk_size])
 
-    def probe(self, tokens: Sequence[int] | None = None, *, keys: Sequence[ChunkKey] | None = None,
-              skip_tokens: int = 0, lease: Hashable = None) -> Hit:
+    def probe(self, keys: Sequence[ChunkKey], *, skip_tokens: int = 0, lease: AnyLease | None = None) -> Hit:
         """LOOKUP (leases the hit, starts its promotion), then QUERY_PREFETCH_STATUS for up to
-        ``prefetch_wait_s`` while lower tiers are staged. ``Hit(0, 0)`` on any failure."""
-        rid = int(lease) if lease is not None else 0  # type: ignore[call-overload]
-        keys = keys if keys is not None else self.chunk_keys(tokens or [])
+        ``prefetch_wait_s`` while lower tiers are staged. ``Hit(0, 0)`` on any failure.
+
+        Protocol v1's LOOKUP always leases (request id 0 without a lease): that lease is
+        released at once, so nothing stays pinned (a promotion it started runs on as a prefetch)."""
+        rid = _wire_lease(lease, 0)[1] if lease is not None else 0
+        if lease is None:
+            try:
+                return self._probe(keys, skip_tokens, rid)
+            finally:
+                self.release(rid)
+        return self._probe(keys, skip_tokens, rid)
+
+    def _probe(self, keys: Sequence[ChunkKey], skip_tokens: int, rid: int) -> Hit:
         try:
-            status, _ = self.client.call(p.Lookup(rid, w.join_keys(keys), self._tokens_for(keys, tokens), skip_tokens))
+            status, _ = self.client.call(p.Lookup(rid, w.join_keys(keys), self._tokens_for(keys, None), skip_tokens))
             deadline = time.monotonic() + self.prefetch_wait_s
             while not status.done and time.monotonic() < deadline:  # type: ignore[attr-defined]
                 time.sleep(0.0005)
@@ -242,26 +277,34 @@ class RemoteEngine:
         assert isinstance(status, p.PrefetchStatus)
         return Hit(status.matched_tokens, status.matched_tokens if status.done else status.ready_tokens)
 
-    def lookup(self, tokens: Sequence[int] | None = None, *, keys: Sequence[ChunkKey] | None = None,
-               skip_tokens: int = 0, lease: Hashable = None) -> int:
+    def lookup(self, keys: Sequence[ChunkKey], *, skip_tokens: int = 0, lease: AnyLease | None = None) -> int:
         """End (tokens from 0) of the run every rank holds; 0 on any failure."""
-        return self.probe(tokens, keys=keys, skip_tokens=skip_tokens, lease=lease).tokens
+        return self.probe(keys, skip_tokens=skip_tokens, lease=lease).tokens
 
-    def release(self, lease: Hashable) -> None:
-        rid = int(lease)  # type: ignore[call-overload]
+    def release(self, lease: AnyLease) -> None:
+        rid = _wire_lease(lease, 0)[1]
         if self.client.ready:
             self.client.submit(p.Release(rid))  # fire and forget: the server releases idempotently
+
+    def promotion_done(self, lease: AnyLease) -> bool:
+        """Whether the server has the lease's lower-tier hit in host memory. True where there is
+        nothing to wait for, and on any failure (the load that follows then answers short).
+        QUERY_PREFETCH_STATUS names this session's lookups only: another session's lease (the
+        scheduler's, asked from a worker) answers True, and its load waits on the server."""
+        try:
+            status, _ = self.client.call(p.QueryPrefetch(_wire_lease(lease, 0)[1]))
+        except KVDepotError:
+            return True
+        return status.done if isinstance(status, p.PrefetchStatus) else True
 
     # ---- copies ----------------------------------------------------------------------------------
     def _deadline(self) -> int:
         return time.monotonic_ns() + int(self.client.timeout_s * 0.5e9) if self.exported.kind != "bytes" else 0
 
-    def store(self, tokens: Sequence[int] | None, block_ids: Sequence[int], *, keys: Sequence[ChunkKey],
-              stream: Any = None) -> _Handle:
+    def store(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, stream: Any = None) -> _Handle:
         """Send every full chunk of ``keys`` (from ``pool[block_ids]``); skipped when unavailable."""
         if not self.ready or not keys:
             return _Handle(None)
-        assert self.layout is not None
         chunks = min(len(keys), len(block_ids) // self.layout.blocks_per_chunk)
         ids = list(block_ids[: chunks * self.layout.blocks_per_chunk])
         blob = w.join_keys(keys[:chunks])
@@ -273,14 +316,23 @@ class RemoteEngine:
             future = self.client.submit(p.Store(blob, ids, self._deadline(), synced))
         return _Handle(future, lambda result: result[0].stored_chunks)
 
-    def retrieve(self, tokens: Sequence[int] | None, block_ids: Sequence[int], *, keys: Sequence[ChunkKey],
-                 skip_blocks: int = 0, num_blocks: int | None = None, lease: Hashable = None, stream: Any = None) -> int:
+    def retrieve(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
+                 num_blocks: int | None = None, lease: AnyLease | None = None, stream: Any = None) -> int:
         """Load ``[skip_blocks, skip_blocks+num_blocks)``; returns tokens valid from 0 afterwards."""
-        return self.retrieve_async(None, block_ids, keys=keys, skip_blocks=skip_blocks, num_blocks=num_blocks,
+        return self.retrieve_async(keys, block_ids, skip_blocks=skip_blocks, num_blocks=num_blocks,
                                    lease=lease, stream=stream).result()
 
-    def retrieve_async(self, tokens: Sequence[int] | None, block_ids: Sequence[int], *, keys: Sequence[ChunkKey],
-                       skip_blocks: int = 0, num_blocks: int | None = None, lease: Hashable = None,
+    def retrieve_by_layer(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
+                          num_blocks: int | None = None, lease: AnyLease | None = None,
+                          stream: Any = None) -> tuple[int, LayerWaits | None]:
+        """``retrieve_async(by_layer=True)``, waited for: the layers' events where it was granted."""
+        handle = self.retrieve_async(keys, block_ids, skip_blocks=skip_blocks, num_blocks=num_blocks,
+                                     lease=lease, stream=stream, by_layer=True)
+        end = handle.result()
+        return end, handle.layered
+
+    def retrieve_async(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
+                       num_blocks: int | None = None, lease: AnyLease | None = None,
                        stream: Any = None, by_layer: bool = False) -> _Handle:
         """``by_layer``: ask the server to copy layer by layer (CUDA IPC pools with layer events);
         where it did, ``stream`` is *not* made to wait and the handle's ``layered`` must be waited
@@ -288,11 +340,11 @@ class RemoteEngine:
         fallback = skip_blocks * self.tokens_per_block
         if not self.ready:
             return _Handle(None, fallback=fallback)
-        session, rid = lease if isinstance(lease, tuple) else (self.client.session_id, lease)
+        session, rid = _wire_lease(lease, self.client.session_id) if lease is not None else (0, None)
         ids = list(block_ids)
         by_layer = by_layer and self.exported.layered
-        msg = p.Retrieve(w.join_keys(keys), ids, skip_blocks, num_blocks, session if rid is not None else 0,
-                         None if rid is None else int(rid), self._deadline(), self.exported.before_copy(stream), by_layer)
+        msg = p.Retrieve(w.join_keys(keys), ids, skip_blocks, num_blocks, session, rid, self._deadline(),
+                         self.exported.before_copy(stream), by_layer)
         bulk = len(ids) * self._base.bytes_per_block if self.exported.kind == "bytes" else 0
         handle = _Handle(self.client.submit(msg, timeout=self._bulk_timeout(bulk)), fallback=fallback)
 
@@ -347,6 +399,15 @@ class RemoteEngine:
         """Stop re-registering this pool; the client (shared) stays open."""
         self.client.remove_hook(self._register)
         self.exported.close()
+
+
+def _wire_lease(lease: AnyLease, own_session: int) -> tuple[int, int]:
+    """(session, request id) on the wire; a ``Lease`` of session 0 and a bare rid are the caller's."""
+    if isinstance(lease, Lease):
+        return lease.session or own_session, int(lease.request_id)
+    if isinstance(lease, tuple):  # the older (session, rid) form, sent as given
+        return int(lease[0]), int(lease[1])
+    return own_session, int(lease)
 
 
 def _on_stream(stream: Any, device: torch.device) -> Any:

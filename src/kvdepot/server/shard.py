@@ -92,7 +92,7 @@ class Shard:
         with self.lock:
             self._check_deadline(deadline_ns)
             self._attach(pool)
-            handle = self.engine.store(None, block_ids, keys=keys, stream=stream)
+            handle = self.engine.store(keys, block_ids, stream=stream)
             if transient:
                 self._detach_locked()
             return handle
@@ -109,12 +109,12 @@ class Shard:
         with self.lock:
             self._check_deadline(deadline_ns)
             self._attach(pool)
-            args = dict(keys=keys, skip_blocks=skip_blocks, num_blocks=num_blocks, lease=lease, stream=stream)
+            args = dict(skip_blocks=skip_blocks, num_blocks=num_blocks, lease=lease, stream=stream)
             load = None
             if by_layer and self.engine.config.load_by_layer == "auto":
-                end, load = self.engine.retrieve_by_layer(None, block_ids, **args)
+                end, load = self.engine.retrieve_by_layer(keys, block_ids, **args)
             else:
-                end = self.engine.retrieve(None, block_ids, **args)
+                end = self.engine.retrieve(keys, block_ids, **args)
             if after is not None:
                 after(load)
             if transient:
@@ -173,27 +173,27 @@ class Group:
         """
         if not self.complete:
             return 0, 0
-        hits = [s.engine.probe(keys=keys, skip_tokens=skip_tokens, lease=lease) for s in list(self.shards.values())]
+        hits = [s.engine.probe(keys, skip_tokens=skip_tokens, lease=lease) for s in list(self.shards.values())]
         return min(h.tokens for h in hits), min(h.host_tokens for h in hits)
 
     def try_probe(self, keys: Sequence[ChunkKey], skip_tokens: int, lease: Hashable) -> tuple[int, int] | None:
-        """``probe`` if it cannot block — no rank has a lower tier (their lookups may do I/O) and
-        every rank's engine is free right now — else None (nothing done)."""
+        """``probe`` if it cannot block — every rank's engine answers ``try_probe`` (no lower tier,
+        lock free right now) — else None. A rank probed before a busy one keeps its pins under
+        ``lease`` until the blocking ``probe`` that follows replaces them."""
         if not self.complete:
             return 0, 0
-        shards = list(self.shards.values())
-        if any(s.engine.lower is not None for s in shards):
-            return None
-        with _all_free(shards) as free:
-            return self.probe(keys, skip_tokens, lease) if free else None
+        hits = []
+        for shard in list(self.shards.values()):
+            hit = shard.engine.try_probe(keys, skip_tokens=skip_tokens, lease=lease)
+            if hit is None:
+                return None
+            hits.append(hit)
+        return min(h.tokens for h in hits), min(h.host_tokens for h in hits)
 
     def try_release(self, lease: Hashable) -> bool:
-        """``release`` if every rank's engine is free right now; False (nothing done) otherwise."""
-        shards = list(self.shards.values())
-        with _all_free(shards) as free:
-            if free:
-                self.release(lease)
-            return free
+        """``release`` on every rank whose engine is free right now; False where one was busy
+        (the caller then releases, idempotently, where it may wait)."""
+        return all(shard.engine.try_release(lease) for shard in list(self.shards.values()))
 
     def promotions_done(self, lease: Hashable) -> bool:
         return all(s.engine.promotion_done(lease) for s in list(self.shards.values()))
@@ -206,28 +206,6 @@ class Group:
     def release(self, lease: Hashable) -> None:
         for shard in list(self.shards.values()):
             shard.engine.release(lease)
-
-
-@contextlib.contextmanager
-def _all_free(shards: Sequence[Shard]) -> Iterator[bool]:
-    """Hold every shard's engine lock if each is free now (True), else none of them (False).
-
-    NOTE: the engine's lock is private to it; taking it without blocking is the only way to know
-    a host lookup would not wait behind a copy's bookkeeping or a pool swap (the engine's calls
-    take it again, re-entrantly).
-    """
-    held = []
-    try:
-        for shard in shards:
-            lock = shard.engine._lock
-            if not lock.acquire(blocking=False):
-                yield False
-                return
-            held.append(lock)
-        yield True
-    finally:
-        for lock in reversed(held):
-            lock.release()
 
 
 @contextlib.contextmanager

@@ -12,6 +12,11 @@ Two kinds of tier:
     contains(key) -> bool        cheap presence check; False when unavailable
     get(key) -> bytes-like|None  verified payload (bytes or a read-only view), or None on a miss,
                                  a corrupt object or an outage
+    get_into(key, out) -> int|None
+                                 the same payload written into the writable buffer ``out`` (a host
+                                 slot): its length, or None as for ``get`` (``out`` then undefined);
+                                 ValueError if it is longer than ``out``. Every tier offers it: one
+                                 that cannot read in place inherits ``CopyInto`` (``get``, then a copy)
     put(key, payload) -> bool    store (evicting as needed); False if it could not
     delete(key) -> bool
     stats() -> TierStats
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvdepot.keys import ChunkKey
+from kvdepot.storage.codec import Payload
 
 
 @dataclass
@@ -51,8 +57,24 @@ class Tier(Protocol):
 
     def get(self, key: ChunkKey) -> bytes | memoryview | None: ...
 
+    def get_into(self, key: ChunkKey, out: Payload) -> int | None: ...
+
     def put(self, key: ChunkKey, payload: bytes) -> bool: ...
 
     def delete(self, key: ChunkKey) -> bool: ...
 
     def stats(self) -> TierStats: ...
+
+
+class CopyInto:
+    """``get_into`` for a tier that cannot read into a caller's buffer: ``get``, then one copy."""
+
+    def get_into(self, key: ChunkKey, out: Payload) -> int | None:
+        payload = self.get(key)  # type: ignore[attr-defined]
+        if payload is None:
+            return None
+        target = memoryview(out).cast("B")
+        if len(payload) > target.nbytes:
+            raise ValueError(f"chunk {key.hex()}: payload of {len(payload)} bytes is longer than the {target.nbytes}-byte buffer")
+        target[: len(payload)] = payload
+        return len(payload)

@@ -252,18 +252,11 @@ class TierManager:
         """(level of the tier read, payload for copies to higher tiers) once ``view`` holds
         ``key``'s verified payload of exactly ``view``'s length; None if no tier has it so."""
         for level, tier in enumerate(self.tiers):
-            get_into = getattr(tier, "get_into", None)
-            if get_into is not None:
-                try:
-                    if get_into(key, view) == view.nbytes:
-                        return level, (bytes(view) if level else view)  # copies to higher tiers
-                except ValueError:  # longer than a chunk: not this engine's chunk
-                    pass
-                continue
-            payload = tier.get(key)
-            if payload is not None and len(payload) == view.nbytes:
-                view[:] = payload
-                return level, payload
+            try:
+                if tier.get_into(key, view) == view.nbytes:
+                    return level, (bytes(view) if level else view)  # copies to higher tiers
+            except ValueError:  # longer than a chunk: not this engine's chunk
+                pass
         return None
 
     # ---- write-behind ----------------------------------------------------------------------

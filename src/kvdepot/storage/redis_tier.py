@@ -38,6 +38,7 @@ import redis
 from kvdepot.events.base import NULL_SINK, EventSink, Medium
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
+from kvdepot.storage.base import CopyInto
 from kvdepot.storage.codec import Payload
 from kvdepot.storage.redis_client import (
     OUTAGE,
@@ -55,7 +56,7 @@ logger = logging.getLogger("kvdepot")
 T = TypeVar("T")
 
 
-class RedisTier:
+class RedisTier(CopyInto):
     """Chunk objects of one namespace in a Redis-protocol server or cluster."""
 
     name = "redis"

@@ -13,6 +13,12 @@ Primitives (all enqueue on the *current* CUDA stream for CUDA pools; synchronous
     gather_many(views, copies) / scatter_many(copies, views)
                                             the same for many chunks in one call, so a mover can
                                             batch them (one gather kernel, coalesced copies)
+    scatter_layers(copies, views, num_layers) -> iterator of layers
+                                            a load, one layer per step; only movers that declare
+                                            ``copies_by_layer`` split it (the others load whole at
+                                            the first step, which is still correct)
+Declared capabilities (never probed): ``copies_by_layer`` and ``refused`` (batched copies the
+driver refused so far, each redone another way; 0 for movers that never batch).
 Postconditions: exactly the listed blocks are read or written, in list order; no other byte
 of the pool is touched. Callers validate block ids before calling.
 """
@@ -40,6 +46,9 @@ class ChunkCopy:
 class BlockMover(Protocol):
     """Copies whole blocks by id; implementations differ in how (per run, gather kernel, …)."""
 
+    copies_by_layer: bool  # scatter_layers enqueues layer by layer (a cross-layer pool on CUDA)
+    refused: int  # batched copies the driver refused so far, each redone by per-run copies
+
     def gather(
         self, views: Sequence[torch.Tensor], block_ids: Sequence[int], dst: torch.Tensor, first: int = 0
     ) -> None:
@@ -60,8 +69,25 @@ class BlockMover(Protocol):
         """``scatter`` for every copy (a load of many chunks)."""
         ...
 
+    def scatter_layers(self, copies: Sequence[ChunkCopy], views: Sequence[torch.Tensor], num_layers: int) -> Iterator[int]:
+        """``scatter_many`` in layer order: each ``next()`` enqueues (at least) layer ``l`` of every
+        block on the current stream and yields ``l``."""
+        ...
 
-class PerChunk:
+
+class WholeLoads:
+    """The capabilities of a mover that neither splits loads by layer nor batches driver calls."""
+
+    copies_by_layer = False
+    refused = 0
+
+    def scatter_layers(self, copies: Sequence[ChunkCopy], views: Sequence[torch.Tensor], num_layers: int) -> Iterator[int]:
+        """The whole load at the first step: every layer is in once layer 0 is."""
+        self.scatter_many(copies, views)  # type: ignore[attr-defined]
+        yield from range(num_layers)
+
+
+class PerChunk(WholeLoads):
     """``*_many`` as a loop over chunks, for movers with nothing to gain from batching."""
 
     def gather_many(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> None:
@@ -73,7 +99,7 @@ class PerChunk:
             self.scatter(c.host, views, c.block_ids, c.first)  # type: ignore[attr-defined]
 
 
-class OneChunk:
+class OneChunk(WholeLoads):
     """``gather``/``scatter`` as a one-chunk ``*_many``: for movers whose work is per batch (the
     twin of ``PerChunk``)."""
 

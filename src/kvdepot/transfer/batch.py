@@ -83,6 +83,8 @@ def window_bounds(sizes: np.ndarray, window_bytes: int, first_bytes: int | None 
 class BatchBlockMover(OneChunk):
     """Per-run DMA copies, a window's worth per driver call."""
 
+    copies_by_layer = True
+
     def __init__(self, window_bytes: int = WINDOW_BYTES, first_window_bytes: int | None = FIRST_WINDOW_BYTES) -> None:
         """``first_window_bytes``: the first window's size (doubling up to ``window_bytes``); None: all equal."""
         self.window_bytes = window_bytes

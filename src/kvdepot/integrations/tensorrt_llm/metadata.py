@@ -3,7 +3,8 @@
 TensorRT-LLM broadcasts the scheduler's metadata with ``mpi_broadcast``, so it must pickle and
 stay small: requests carry only *deltas* (chunk keys and block ids the workers have not seen yet),
 and each worker keeps the rest. Keys, not tokens, travel: the scheduler hashes a request once and
-a 128K-token prompt is 512 keys of 16 bytes instead of half a megabyte of token ids.
+a 128K-token prompt is 512 keys of 16 bytes instead of half a megabyte of token ids. In server
+mode the workers load under the scheduler's leases, so the metadata names its server session.
 """
 
 from __future__ import annotations
@@ -26,3 +27,4 @@ class KvDepotMetadata:
 
     requests: list[RequestMeta] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
+    lease_session: int = 0  # server mode: the scheduler's session, which holds the lookups' leases

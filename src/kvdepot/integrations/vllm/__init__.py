@@ -6,7 +6,7 @@
                      kv_role="kv_both")
 
 In-process by default; with ``kv_connector_extra_config={"server_url": ...}`` (or
-``KVDEPOT_SERVER_URL``) against a shared ``kvdepot server`` (``server_mode``).
+``KVDEPOT_SERVER_URL``) against a shared ``kvdepot server`` (modes: ``providers.py``).
 The connector class is imported on first use, so ``kvdepot.integrations.vllm.layout`` (the
 per-layer block views and their engine) imports without vLLM. See docs/vllm.md.
 """

@@ -87,7 +87,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     results = []
     for prompt in spec["prompts"]:
         if spec.get("wait_promotions"):  # let disk/Redis hits of earlier requests reach host memory
-            from kvdepot.integrations.vllm.layout import current_engine
+            from kvdepot.integrations.vllm.providers import current_engine
 
             engine = current_engine()
             if engine is not None:

@@ -6,7 +6,7 @@
                      kv_connector_extra_config={"chunk_size": 256, "stats_file": "/tmp/kvdepot.jsonl"})
 
 vLLM builds the class twice, once per role; this class only routes vLLM's calls to the role's
-half (the logic mirrors the TensorRT-LLM adapter step for step):
+half (the logic mirrors the TensorRT-LLM connector step for step):
 
 Scheduler role (``scheduler.py``)                   Worker role (``worker.py``)
   get_num_new_matched_tokens -> keys once, a          register_kv_caches -> per-layer block views
@@ -17,11 +17,10 @@ Scheduler role (``scheduler.py``)                   Worker role (``worker.py``)
   request_finished -> True while saves may run        get_finished -> each delayed request once
 
 Mode: with ``server_url`` set (extra config, ``KVDEPOT_SERVER_URL``, config file), both halves
-talk to ``kvdepot server`` (``server_mode.py``): the scheduler and the worker may live in
-different processes and several vLLM instances share one cache. Without it, in-process mode:
-the scheduler reads the engine the worker registered in its own process, so vLLM's worker must
-run there (the ``uni`` executor; on CPU ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); anywhere else
-kvdepot says so once and stays out of the way. Settings: see ``common.py``.
+talk to ``kvdepot server``: the scheduler and the worker may live in different processes and
+several vLLM instances share one cache. Without it, in-process mode: the scheduler reads the
+engine the worker registered in its own process. Each half gets its engine from the provider
+``setup.py`` builds for the mode (modes: ``providers.py``; settings: ``setup.py``).
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvdepot.integrations.vllm.common import Setup, ensure_log_handler
 from kvdepot.integrations.vllm.metadata import KvDepotVllmMetadata
 from kvdepot.integrations.vllm.scheduler import Scheduler
+from kvdepot.integrations.vllm.setup import Setup, ensure_log_handler
 from kvdepot.integrations.vllm.worker import Worker
 
 try:
@@ -65,18 +64,8 @@ class KvDepotConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ensure_log_handler()
         setup = Setup.from_vllm(vllm_config, kv_cache_config)
-        self._sched: Scheduler | None = None
-        self._worker: Worker | None = None
-        scheduler_cls: type[Scheduler] = Scheduler
-        worker_cls: type[Worker] = Worker
-        if setup.server_url:
-            from kvdepot.integrations.vllm.server_mode import RemoteScheduler, RemoteWorker
-
-            scheduler_cls, worker_cls = RemoteScheduler, RemoteWorker
-        if role == KVConnectorRole.SCHEDULER:
-            self._sched = scheduler_cls(setup)
-        else:
-            self._worker = worker_cls(setup)
+        self._sched = Scheduler(setup) if role == KVConnectorRole.SCHEDULER else None
+        self._worker = Worker(setup) if role != KVConnectorRole.SCHEDULER else None
 
     # A cache is best effort: a save lost to preemption is only a future miss.
     @property

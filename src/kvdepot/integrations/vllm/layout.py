@@ -1,4 +1,4 @@
-"""vLLM's per-layer KV caches as kvdepot block views, and the engine that moves them.
+"""vLLM's per-layer KV caches as kvdepot block views.
 
 vLLM (0.32) allocates one flat backing buffer and hands the connector one tensor per layer,
 logically ``[num_blocks, H, N, C]`` (heads, tokens per block, content bytes), laid out by
@@ -8,7 +8,7 @@ rows). kvdepot never interprets those bytes: it only needs, per layer, the byte 
 block. ``block_view`` reads that span from the tensor's strides, for any layout in which a
 block's bytes are dense within a layer (LBHNC, LBNHC, BLHNC, …), and refuses the others.
 
-``PoolLayout.from_views`` and ``CacheEngine.for_views`` take them from there. The views go to the core's transfer contract (``kvdepot.transfer.base``): block ``b`` of the
+``PoolLayout.from_views`` and the engines (``providers.py``) take them from there. The views go to the core's transfer contract (``kvdepot.transfer.base``): block ``b`` of the
 pool is ``views[0][b] ‖ views[1][b] ‖ …`` with one view per layer, sorted by layer name, so a
 chunk's bytes do not depend on allocation order. Keys, tiers and exactness are the core's:
 only the geometry in the namespace differs from TensorRT-LLM's, because the bytes differ.
@@ -18,20 +18,13 @@ Nothing here imports vLLM: the connector passes tensors and plain values in.
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kvdepot.config import DepotConfig
-from kvdepot.engine import CacheEngine
 from kvdepot.errors import LayoutError
-from kvdepot.integrations.slot import EngineSlot
-from kvdepot.layout import PoolLayout
-
-logger = logging.getLogger("kvdepot")
 
 
 def _natural_key(name: str) -> list[Any]:
@@ -123,20 +116,3 @@ def _interleaved(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     offset = b.data_ptr() - a.data_ptr()
     return a.shape[1] <= offset and offset + b.shape[1] <= a.stride(0)
-
-
-_slot = EngineSlot()
-
-
-def get_or_create_engine(views: Sequence[torch.Tensor], layout: PoolLayout, config: DepotConfig, **ns: Any) -> CacheEngine:
-    """The process's engine: created by the first worker registration, re-registered after."""
-    engine, created = _slot.get_or_create(
-        lambda: CacheEngine.for_views(views, layout, config, **ns), lambda e: e.register_views(views, layout)
-    )
-    if not created:
-        logger.info("kvdepot: re-registered %d vLLM KV views on the existing engine", len(views))
-    return engine
-
-
-current_engine = _slot.current
-destroy_engine = _slot.destroy

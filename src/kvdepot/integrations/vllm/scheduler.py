@@ -1,4 +1,4 @@
-"""The connector's scheduler role, in-process mode: lookups in the engine the worker registered.
+"""The vLLM connector's scheduler role: lookups, and what the worker loads and saves each step.
 
     matched(request, num_computed_tokens) -> int    get_num_new_matched_tokens: keys once, probe
                                                      under a lease (leaving one token to compute)
@@ -7,26 +7,24 @@
                                                      the chunks computed after this step
     finished(request) -> bool                       request_finished: True while saves may run
 
-The deltas come from the step planner the TensorRT-LLM adapter uses too (``integrations/planner.py``);
-this role only turns vLLM's scheduler output into its inputs and its deltas into vLLM items. Server mode
-(``server_mode.RemoteScheduler``) subclasses it and overrides only where the engine lives
-(``_engine``), what a lease is called on it (``_lease``), and when kvdepot must stay off.
+The deltas come from the step planner the TensorRT-LLM connector uses too (``integrations/planner.py``);
+this role only turns vLLM's scheduler output into its inputs and its deltas into vLLM items. Where
+the engine lives — the worker's ``CacheEngine`` in this process, or a lookups-only registration
+with ``kvdepot server`` — is the provider's (``providers.py``), as are the lease ids and when a
+deployment cannot use kvdepot in that mode.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvdepot.engine_api import Engine, Lease
 from kvdepot.integrations.planner import DeltaPlanner, SentState
-from kvdepot.integrations.vllm.common import Setup, logger
-from kvdepot.integrations.vllm.layout import current_engine
 from kvdepot.integrations.vllm.metadata import KvDepotVllmMetadata, VllmRequestMeta
+from kvdepot.integrations.vllm.setup import Setup, logger
 from kvdepot.keys import ChunkHasher
-
-IN_PROCESS_BACKENDS = ("uni", "external_launcher")
 
 
 @dataclass(kw_only=True)
@@ -42,39 +40,24 @@ class SchedRequest(SentState):
 class Scheduler:
     def __init__(self, setup: Setup) -> None:
         self._setup = setup
+        self._provider = setup.provider()
         self._block = setup.block
         self._requests: dict[str, SchedRequest] = {}
         self._hashers: dict[tuple[str, str, bytes], ChunkHasher] = {}
         self._loads = setup.loads
         self._planner = DeltaPlanner(self._block, saves=setup.saves)
-        self._disabled_reason = "unsupported KV cache groups" if setup.group is None else self._why_off()
+        self._disabled_reason = "unsupported KV cache groups" if setup.group is None else self._provider.why_off()
         if self._disabled_reason:
             logger.warning("kvdepot: %s; kvdepot is off (no lookups, no saves)", self._disabled_reason)
 
-    # ---- what server mode overrides ----------------------------------------------------------
-    def _why_off(self) -> str:
-        """Why this deployment cannot use kvdepot (empty: it can)."""
-        parallel = self._setup.vllm_config.parallel_config
-        backend = getattr(parallel, "distributed_executor_backend", None)
-        if int(getattr(parallel, "world_size", 1) or 1) > 1:
-            return f"world_size={parallel.world_size}: in-process mode sees one worker's cache only (use kvdepot server)"
-        if backend not in IN_PROCESS_BACKENDS:
-            return (f"distributed_executor_backend={backend!r} runs the worker in another process; in-process mode "
-                    "needs 'uni' (on CPU: set VLLM_ENABLE_V1_MULTIPROCESSING=0), or use kvdepot server (server_url)")
-        return ""
+    def _engine(self) -> Engine | None:
+        """The engine to look up in, or None: no hits, no saves."""
+        return None if self._disabled_reason else self._provider.scheduler_engine()
 
-    def _engine(self) -> Any:
-        """The engine to look up in (a ``CacheEngine`` here), or None: no hits, no saves."""
-        return None if self._disabled_reason else current_engine()
+    def _lease(self, rid: str) -> Lease:
+        return Lease(self._provider.lease_id(rid))
 
-    def _lease(self, rid: str) -> Hashable:
-        return rid
-
-    def _hash_algo(self, engine: Any) -> str:
-        return engine.config.hash_algo
-
-    # ---- vLLM's calls ---------------------------------------------------------------------------
-    def _hasher(self, engine: Any, request: Any) -> ChunkHasher:
+    def _hasher(self, engine: Engine, request: Any) -> ChunkHasher:
         """Keys of a request with a cache salt or a LoRA adapter live in their own namespace."""
         salt = getattr(request, "cache_salt", None) or ""
         lora = getattr(request, "lora_request", None)
@@ -85,7 +68,7 @@ class Scheduler:
         hasher = self._hashers.get((salt, lora_id, base.seed))
         if hasher is None:
             ns = replace(base.namespace, cache_salt=f"{base.namespace.cache_salt}\0salt={salt}\0lora={lora_id}")
-            hasher = self._hashers[(salt, lora_id, base.seed)] = ChunkHasher(ns, self._hash_algo(engine))
+            hasher = self._hashers[(salt, lora_id, base.seed)] = ChunkHasher(ns, base.algo)
         return hasher
 
     @staticmethod
@@ -112,7 +95,7 @@ class Scheduler:
         state.skip_blocks = num_computed_tokens // self._block
         self._requests[rid] = state
         started = time.perf_counter()
-        hit = engine.probe(keys=state.keys, skip_tokens=num_computed_tokens, lease=self._lease(rid))
+        hit = engine.probe(state.keys, skip_tokens=num_computed_tokens, lease=self._lease(rid))
         probe_ms = round((time.perf_counter() - started) * 1e3, 3)
         # Host memory serves this request; chunks found only on disk/Redis are promoted in the
         # background for later requests (lower_tier_hits: prefetch, always exact).
@@ -146,7 +129,8 @@ class Scheduler:
             state.load = (state.load[0], num_external_tokens // self._block)
 
     def build_meta(self, scheduler_output: Any) -> KvDepotVllmMetadata:
-        meta = KvDepotVllmMetadata(preempted=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+        meta = KvDepotVllmMetadata(preempted=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+                                   lease_session=self._provider.session())
         for rid in meta.preempted:
             # vLLM freed its blocks and the worker drops its state: whatever it saved is
             # cached already, and request_finished must not hold blocks it no longer has.
@@ -176,7 +160,7 @@ class Scheduler:
             self._plan(engine, rid, state, cached.num_computed_tokens[i] + scheduled.get(rid, 0), meta)
         return meta
 
-    def _plan(self, engine: Any, rid: str, state: SchedRequest, computed: int, meta: KvDepotVllmMetadata) -> None:
+    def _plan(self, engine: Engine, rid: str, state: SchedRequest, computed: int, meta: KvDepotVllmMetadata) -> None:
         """The shared planner's delta for this step, as vLLM's item (plus its reset flag)."""
         request = state.request
         planned = self._planner.plan(
@@ -197,7 +181,10 @@ class Scheduler:
         return bool(state is not None and state.known and state.saved_upto)
 
     def set_handshake(self, metadata: dict[int, Any]) -> None:
-        """The workers' registrations (vLLM's handshake metadata); in-process mode needs none."""
+        """The workers' registrations (vLLM's handshake metadata): server mode registers their geometry."""
+        if not self._disabled_reason:
+            self._provider.set_handshake(metadata)
 
     def shutdown(self) -> None:
-        """vLLM is closing the scheduler; in-process mode holds nothing of its own."""
+        """vLLM is closing the scheduler: server mode ends its session (the server drops its leases)."""
+        self._provider.close()

@@ -1,28 +1,35 @@
-"""The connector's worker role, in-process mode: the process's engine over vLLM's layer caches.
+"""The vLLM connector's worker role: the engine over vLLM's layer caches.
 
-    register(kv_caches)       register_kv_caches: per-layer block views -> the process's engine
+    register(kv_caches)       register_kv_caches: per-layer block views -> the provider's engine
     preempted(meta)           handle_preemptions: wait for a preempted request's saves
     start_load(meta)          start_load_kv: apply the step's deltas, run its loads (synchronous)
     save(meta)                wait_for_save: store every chunk computed by now (later prefill chunks
                               too); on CUDA the copy is queued behind the forward pass
     finished(ids) -> ids      get_finished: each delayed request once, after its saves
     take_load_errors()        get_block_ids_with_load_errors: blocks a load could not fill
+    handshake()               get_handshake_metadata: the views' geometry (server mode)
 
-Server mode (``server_mode.RemoteWorker``) subclasses it: the engine is a ``RemoteEngine``
-registered with the server (``_attach``), and loads name the scheduler's lease (``_lease``).
+The engine is the provider's (``providers.py``): the process's ``CacheEngine``, or a ``RemoteEngine``
+whose blocks travel over the socket to ``kvdepot server``. Loads name the scheduler's lease (its
+server session is in the step's metadata). An engine that is not ready (the server went away
+after the scheduler's hit) loads nothing and reports the blocks as load errors: vLLM recomputes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvdepot.engine_api import Engine, Lease, PendingStore
 from kvdepot.integrations.saves import take_saved
-from kvdepot.integrations.vllm.common import Setup, logger
-from kvdepot.integrations.vllm.layout import get_or_create_engine, views_from_kv_caches
-from kvdepot.integrations.vllm.metadata import KvDepotVllmMetadata, VllmRequestMeta
+from kvdepot.integrations.vllm.layout import views_from_kv_caches
+from kvdepot.integrations.vllm.metadata import (
+    KvDepotHandshake,
+    KvDepotVllmMetadata,
+    VllmRequestMeta,
+)
+from kvdepot.integrations.vllm.setup import Setup, logger
 from kvdepot.layout import PoolLayout
 
 
@@ -32,26 +39,15 @@ class WorkerRequest:
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # chunks already handed to engine.store
     delayed: bool = False  # the scheduler told us to save: it returns True from request_finished
-    handles: list[Any] = field(default_factory=list)  # store handles: .done(), .wait(), .chunks
-
-
-def tp_rank_and_size() -> tuple[int, int]:
-    try:
-        from vllm.distributed.parallel_state import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
-        return int(get_tensor_model_parallel_rank()), int(get_tensor_model_parallel_world_size())
-    except Exception:  # noqa: BLE001 - no TP group (tests, single process)
-        return 0, 1
+    handles: list[PendingStore] = field(default_factory=list)
 
 
 class Worker:
     def __init__(self, setup: Setup) -> None:
         self._setup = setup
-        self._engine: Any = None  # CacheEngine here; RemoteEngine in server mode
-        self._layout: PoolLayout | None = None
+        self._provider = setup.provider()
+        self._engine: Engine | None = None
+        self._lease_session = 0  # the scheduler's server session, from this step's metadata
         self._requests: dict[str, WorkerRequest] = {}
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
@@ -72,19 +68,10 @@ class Worker:
             views, spec.dtype, int(spec.block_size), self._setup.config.chunk_size, kv_factor=kv_factor,
             tag=f"vllm:{self._backend_name(names[0])}:{kv_layout}",
         )
-        self._engine, self._layout = self._attach(views, layout), layout
+        self._engine = self._provider.attach(views, layout)
         self._requests.clear()
         self._setup.stats.write("register", layers=len(views), num_blocks=layout.num_blocks, tag=layout.tag,
                                 bytes_per_block=layout.bytes_per_block, chunk_size=layout.chunk_size)
-
-    def _attach(self, views: list[Any], layout: PoolLayout) -> Any:
-        rank, size = tp_rank_and_size()
-        engine = get_or_create_engine(views, layout, self._setup.config, tp_rank=rank, tp_size=size)
-        logger.info(
-            "kvdepot: engine ready (%d layer views of %d blocks x %d B, %s, chunk %d tokens, host %d chunks)",
-            len(views), layout.num_blocks, views[0].shape[1], layout.tag, layout.chunk_size, engine.host.num_slots,
-        )
-        return engine
 
     def _backend_name(self, layer_name: str) -> str:
         ctx = getattr(self._setup.vllm_config.compilation_config, "static_forward_context", {}) or {}
@@ -94,15 +81,9 @@ class Worker:
         except Exception:  # pragma: no cover - a backend without a name
             return "unknown"
 
-    def _lease(self, rid: str) -> Hashable:
-        return rid
-
-    def _new_chunks(self, handle: Any) -> int | None:
-        """Chunks a store added, for the stats file (known at once in-process)."""
-        return handle.chunks
-
-    def _stats(self) -> dict[str, Any]:
-        return asdict(self._engine.stats())
+    def _lease(self, rid: str) -> Lease:
+        """The scheduler's lease for the request (taken in its session, named in the metadata)."""
+        return Lease(self._provider.lease_id(rid), session=self._lease_session)
 
     # ---- per step ------------------------------------------------------------------------
     def preempted(self, meta: KvDepotVllmMetadata) -> None:
@@ -115,8 +96,10 @@ class Worker:
             self._finishing.discard(rid)
 
     def start_load(self, meta: KvDepotVllmMetadata) -> None:
-        if self._engine is None:
+        engine = self._engine
+        if engine is None:
             return
+        self._lease_session = meta.lease_session
         for item in meta.requests:
             state = self._requests.get(item.request_id)
             if item.reset or state is None:
@@ -129,12 +112,15 @@ class Worker:
             if item.save_upto_chunks:
                 state.delayed = True
             if item.load_num_blocks:
-                self._load(item, state)
+                self._load(engine, item, state)
 
-    def _load(self, item: VllmRequestMeta, state: WorkerRequest) -> None:
-        engine = self._engine
-        B, bpc = engine.layout.tokens_per_block, engine.layout.blocks_per_chunk
+    def _load(self, engine: Engine, item: VllmRequestMeta, state: WorkerRequest) -> None:
         skip, num = item.load_skip_blocks, item.load_num_blocks
+        if not engine.ready:  # the server went away after the scheduler's hit: never silent
+            self._report_load_error(item, state, 0)
+            self._setup.stats.write("load", req=item.request_id, skip_blocks=skip, blocks=0, wanted=num)
+            return
+        B, bpc = engine.layout.tokens_per_block, engine.layout.blocks_per_chunk
         end = skip + num
         # Keys only as far as the load reaches: vLLM allocates blocks for this step's tokens,
         # not for the whole prompt, and the engine checks keys against the block list.
@@ -143,20 +129,17 @@ class Worker:
         started = time.perf_counter()
         if chunks * bpc > skip:
             got_tokens = engine.retrieve(
-                None, state.block_ids[: chunks * bpc], keys=state.keys[:chunks], skip_blocks=skip,
+                state.keys[:chunks], state.block_ids[: chunks * bpc], skip_blocks=skip,
                 num_blocks=min(num, chunks * bpc - skip), lease=self._lease(item.request_id),
             )
-        else:
-            self._release(item.request_id)
+        elif self._provider.worker_releases:
+            engine.release(self._lease(item.request_id))
         got = got_tokens // B
         state.saved = max(state.saved, min(got // bpc, len(state.keys)))  # loaded chunks are cached already
         if got < end:  # a lease expired before the load: never silent, vLLM recomputes or fails
             self._report_load_error(item, state, got)
         self._setup.stats.write("load", req=item.request_id, skip_blocks=skip, blocks=max(0, got - skip), wanted=num,
                                 ms=round((time.perf_counter() - started) * 1e3, 3))
-
-    def _release(self, rid: str) -> None:
-        self._engine.release(self._lease(rid))
 
     def _report_load_error(self, item: VllmRequestMeta, state: WorkerRequest, got: int) -> None:
         end = item.load_skip_blocks + item.load_num_blocks
@@ -167,9 +150,10 @@ class Worker:
 
     def save(self, meta: KvDepotVllmMetadata) -> None:
         """Copy this step's newly computed chunks out; on CUDA, enqueued behind the forward pass."""
-        if self._engine is None:
-            return
-        bpc = self._engine.layout.blocks_per_chunk
+        engine = self._engine
+        if engine is None or not engine.ready:
+            return  # nothing is marked saved: chunks still computed when the server is back are saved then
+        bpc = engine.layout.blocks_per_chunk
         for item in meta.requests:
             state = self._requests.get(item.request_id)
             if state is None or item.save_upto_chunks <= state.saved:
@@ -178,11 +162,12 @@ class Worker:
             if upto <= first:
                 continue
             started = time.perf_counter()
-            handle = self._engine.store(None, state.block_ids[first * bpc : upto * bpc], keys=state.keys[first:upto])
+            handle = engine.store(state.keys[first:upto], state.block_ids[first * bpc : upto * bpc])
             state.saved = upto
             state.handles.append(handle)
             self._setup.stats.write("store", req=item.request_id, first_chunk=first, upto_chunk=upto,
-                                    new_chunks=self._new_chunks(handle), ms=round((time.perf_counter() - started) * 1e3, 3))
+                                    new_chunks=self._provider.store_chunks(handle),
+                                    ms=round((time.perf_counter() - started) * 1e3, 3))
 
     def finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Each request whose request_finished returned True, once, when its stores completed."""
@@ -200,19 +185,23 @@ class Worker:
                 del self._requests[rid]
         done = set(take_saved(self._finishing, self._requests))
         if done and self._engine is not None and self._setup.stats.path:
-            self._setup.stats.write("finished", req=sorted(done), stats=self._stats())
+            self._setup.stats.write("finished", req=sorted(done), stats=self._provider.stats())
         return done or None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def handshake(self) -> Any:
-        """What the scheduler must learn from this worker (vLLM's handshake metadata); none here."""
-        return None
+    def handshake(self) -> KvDepotHandshake | None:
+        """What the scheduler must learn from this worker (vLLM's handshake metadata)."""
+        return self._provider.handshake()
 
     def shutdown(self) -> None:
         """vLLM is closing this worker: finish copies and drain write-behind to disk/Redis."""
         if self._engine is not None:
+            for state in self._requests.values():
+                for handle in state.handles:
+                    handle.wait()
             self._engine.close()
-            self._setup.stats.write("shutdown", stats=self._stats())
+            self._setup.stats.write("shutdown", stats=self._provider.stats())
+        self._provider.close()

@@ -1,7 +1,9 @@
-"""What both roles and both modes of the vLLM connector share, read once from vLLM's config.
+"""What the vLLM connector's halves are built from: settings read once from vLLM's config, and
+(``setup.provider()``) the engine provider for the mode (``providers.py``).
 
-    Setup.from_vllm(vllm_config, kv_cache_config) -> Setup   kvdepot config, stats file, KV group
-    StatsFile(path).write(event, **fields)                  one JSON line per event (O_APPEND)
+    Setup.from_vllm(vllm_config, kv_cache_config) -> Setup   kvdepot config, stats file, KV group, roles
+    setup.provider() -> EngineProvider                       InProcess, or ViaServer when ``server_url`` is set
+    StatsFile(path).write(event, **fields)                   one JSON line per event (O_APPEND)
     ensure_log_handler()                                     our logger prints even inside vLLM
 
 Extra config keys (``kv_connector_extra_config``): any kvdepot config key (``chunk_size``,
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.config import DepotConfig, load_config
+from kvdepot.integrations.vllm.providers import EngineProvider, InProcess, ViaServer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,3 +113,6 @@ class Setup:
     def server_url(self) -> str | None:
         """Server mode when set (extra config ``server_url``, ``KVDEPOT_SERVER_URL``, config file)."""
         return self.config.server_url or None
+
+    def provider(self) -> EngineProvider:
+        return ViaServer(self) if self.server_url else InProcess(self)

@@ -1,0 +1,163 @@
+"""The load half of ``CacheEngine``: host slots -> pool blocks, whole or layer by layer.
+
+    retrieve(keys, block_ids, skip_blocks=0, num_blocks=None, lease=None, stream=None) -> int
+    retrieve_by_layer(...) -> (int, LayeredLoad | None)
+    retrieve_async(..., by_layer=False) -> FinishedLoad      done in the call (nothing to overlap)
+    can_load_by_layer() -> bool
+
+Its own module because it is the engine's longest path; it shares the engine's state (declared
+below) and lock, and is never used apart from ``CacheEngine``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from kvdepot.errors import LayoutError
+from kvdepot.keys import ChunkKey
+from kvdepot.layout import PoolLayout
+from kvdepot.results import EngineStats, FinishedLoad, LayeredLoad
+from kvdepot.storage.host import HostTier
+from kvdepot.storage.promotions import Promotions
+from kvdepot.transfer.base import BlockMover, ChunkCopy
+from kvdepot.transfer.inflight import InflightTransfers
+
+# Loads by layer need each layer's part of a block to be one efficient copy (``can_load_by_layer``).
+LAYER_PART_MIN_BYTES = 64 << 10
+
+Lease = Hashable  # in-process any hashable names a lease (``engine_api.Lease``, or a server's own)
+
+
+class LoadPath:
+    """``CacheEngine``'s loads; the attributes are the engine's (set by its constructor)."""
+
+    layout: PoolLayout
+    host: HostTier
+    mover: BlockMover
+    _lock: threading.RLock
+    _promotions: Promotions
+    _transfers: InflightTransfers
+    _views: list[torch.Tensor]
+    _tokens: Iterator[int]
+    _stats: EngineStats
+
+    release: Callable[[Lease], None]
+
+    def _check_blocks(self, num_chunks: int, block_ids: Sequence[int]) -> None:
+        if not self._views:
+            raise LayoutError("no KV pool registered: call register_pool first")
+        needed = num_chunks * self.layout.blocks_per_chunk
+        if len(block_ids) < needed:
+            raise LayoutError(
+                f"{len(block_ids)} block ids cannot hold {num_chunks} chunks of {self.layout.chunk_size} tokens "
+                f"({self.layout.tokens_per_block} per block: {needed} needed)"
+            )
+        self.layout.check_block_ids(block_ids, distinct=True)
+
+    # ---- retrieve ---------------------------------------------------------------------------
+    def retrieve(
+        self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
+        num_blocks: int | None = None, lease: Lease | None = None, stream: Any = None,
+    ) -> int:
+        """Load cached blocks ``[skip_blocks, skip_blocks+num_blocks)`` of the request into the pool.
+
+        Returns the end, in tokens from 0, of what is then valid (``skip_blocks * B`` if nothing
+        was loaded). Loads stop at the first chunk not cached; the lease taken by ``lookup``
+        guarantees the chunks it counted are still there. ``stream`` (default: the current one)
+        is made to wait for the whole load.
+        """
+        return self._retrieve(keys, block_ids, skip_blocks, num_blocks, lease, stream, by_layer=False)[0]
+
+    def retrieve_by_layer(
+        self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
+        num_blocks: int | None = None, lease: Lease | None = None, stream: Any = None,
+    ) -> tuple[int, LayeredLoad | None]:
+        """``retrieve``, copied layer by layer where it can be (``can_load_by_layer``): ``stream``
+        is then *not* made to wait, and the caller must wait on the returned ``LayeredLoad``
+        layer by layer before each layer reads the blocks (and wholly before anything else does).
+        Its layers are enqueued as it is waited on, a few ahead (``transfer/layered.py``); what
+        nobody waited for is enqueued by ``wait_all`` and the store handles' ``wait``.
+        The load is ``None`` where it was done whole or nothing was loaded: ``stream`` then waits
+        as after ``retrieve``. Raises ``TransferFailed`` where the copies cannot be enqueued
+        (now, or from the load's ``wait_layer`` later)."""
+        return self._retrieve(keys, block_ids, skip_blocks, num_blocks, lease, stream, by_layer=self.can_load_by_layer())
+
+    def retrieve_async(
+        self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
+        num_blocks: int | None = None, lease: Lease | None = None, stream: Any = None, by_layer: bool = False,
+    ) -> FinishedLoad:
+        """``retrieve`` (``retrieve_by_layer`` with ``by_layer``) in the call: in-process a load
+        is only enqueued, so there is nothing to overlap (``capabilities.async_loads`` is False)."""
+        end, layered = self._retrieve(keys, block_ids, skip_blocks, num_blocks, lease, stream,
+                                      by_layer=by_layer and self.can_load_by_layer())
+        return FinishedLoad(end, layered)
+
+    def can_load_by_layer(self) -> bool:
+        """Whether loads can be split by layer here: a cross-layer pool (one view) on CUDA, a mover
+        that copies by layer, and parts of at least ``LAYER_PART_MIN_BYTES`` (smaller copies run
+        the copy engines far below PCIe speed: H200, run Q, 16 KiB host-to-device copies 0.10 of
+        a plain copy, 64 KiB 0.72 and 128 KiB 0.83 including their issue)."""
+        return (len(self._views) == 1 and self._views[0].is_cuda and self.layout.num_layers > 1
+                and self.mover.copies_by_layer
+                and self.layout.bytes_per_block // self.layout.num_layers >= LAYER_PART_MIN_BYTES)
+
+    def _retrieve(
+        self, keys: Sequence[ChunkKey], block_ids: Sequence[int], skip_blocks: int, num_blocks: int | None,
+        lease: Lease | None, stream: Any, *, by_layer: bool,
+    ) -> tuple[int, LayeredLoad | None]:
+        started = time.perf_counter()
+        B, bpc = self.layout.tokens_per_block, self.layout.blocks_per_chunk
+        self._check_blocks(len(keys), block_ids)
+        # NOTE: skip_blocks is checked even without num_blocks: a negative one would index the
+        # block list from its end and overwrite blocks the engine holds.
+        if skip_blocks < 0 or (num_blocks is not None and num_blocks < 0):
+            raise LayoutError(f"skip_blocks={skip_blocks} and num_blocks={num_blocks} must be >= 0")
+        end_block = min(len(keys) * bpc, len(block_ids))
+        if num_blocks is not None:
+            end_block = min(end_block, skip_blocks + num_blocks)
+        if end_block <= skip_blocks:
+            if lease is not None:
+                self.release(lease)  # nothing to load: the lookup's pins must not outlive the call
+            return skip_blocks * B, None
+        self._promotions.settle(lease)  # a failed promotion is a shorter load, counted below
+        pin = ("load", next(self._tokens))
+        plan: list[tuple[torch.Tensor, list[int], int]] = []
+        with self._lock:
+            self._transfers.poll_locked()
+            first = skip_blocks // bpc
+            cached = list(itertools.takewhile(self.host.contains, keys[first : -(-end_block // bpc)]))
+            if cached:
+                self.host.pin(pin, cached)  # one call for all: a call per chunk cost ~1 us each
+            for c, key in enumerate(cached, first):
+                lo, hi = max(c * bpc, skip_blocks), min((c + 1) * bpc, end_block)  # this chunk's blocks to load
+                plan.append((self.host.slot(key), list(block_ids[lo:hi]), lo - c * bpc))
+            if lease is not None:
+                self.host.release(lease)
+        loaded_blocks = sum(len(ids) for _, ids, _ in plan)
+        if num_blocks is not None and loaded_blocks < end_block - skip_blocks:
+            with self._lock:
+                self._stats.short_loads += 1
+        if not plan:
+            self.release(pin)
+            return skip_blocks * B, None
+        copies = [ChunkCopy(ids, slot, first) for slot, ids, first in plan]
+        layered = None
+        if by_layer:  # enqueued a few layers ahead of the forward as it waits (transfer/layered.py)
+            layers = self.mover.scatter_layers(copies, self._views, self.layout.num_layers)
+            layered = self._transfers.start_layered(layers, self.layout.num_layers, lambda: self.host.release(pin), stream)
+        else:
+            self._transfers.run(lambda: self.mover.scatter_many(copies, self._views), lambda: self.host.release(pin),
+                                stream, store=False)
+        with self._lock:
+            self._stats.loaded_chunks += len(plan)
+            self._stats.layered_loads += layered is not None
+            self._stats.bytes_loaded += loaded_blocks * self.layout.bytes_per_block
+            self._stats.load_seconds += time.perf_counter() - started
+        return (skip_blocks + loaded_blocks) * B, layered
+

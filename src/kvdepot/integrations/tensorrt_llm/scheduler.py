@@ -1,0 +1,150 @@
+"""The TensorRT-LLM connector's scheduler half (rank 0): what each request loads and saves.
+
+    get_num_new_matched_tokens -> keys once, engine.probe under the request's lease
+    update_state_after_alloc   -> the request's prompt blocks (an async load starts from them)
+    build_connector_meta       -> KvDepotMetadata: deltas, this step's load, chunks computed after it
+    request_finished           -> True while saves may still copy: TensorRT-LLM keeps the blocks
+
+The engine comes from the provider (``providers.py``): in-process, the ``CacheEngine`` the worker
+registered; in server mode, the worker's ``RemoteEngine`` (LOOKUP + QUERY_PREFETCH_STATUS answer
+``probe``, and every TP rank must hold a chunk for it to count). Either way the answer is "no hit"
+until the worker has registered. A hit in host memory loads synchronously; one still being
+promoted from disk/Redis counts only its host part (``lower_tier_hits: prefetch``, the default),
+or is promised whole with ``is_async=True`` (``lower_tier_hits: async``): TensorRT-LLM parks the
+request and the worker reports it through ``get_finished`` once loaded. A load is never promised
+bytes that then fail to arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from kvdepot.engine_api import Engine, Lease
+from kvdepot.integrations.planner import DeltaPlanner, SentState
+from kvdepot.integrations.tensorrt_llm.api import KvCacheConnectorScheduler, SchedulerOutput
+from kvdepot.integrations.tensorrt_llm.metadata import KvDepotMetadata, RequestMeta
+from kvdepot.integrations.tensorrt_llm.setup import Setup
+
+logger = logging.getLogger("kvdepot")
+
+
+@dataclass(kw_only=True)
+class _SchedRequest(SentState):
+    """What the scheduler knows of one live request: the planner's sent-state plus its tokens."""
+
+    tokens: list[int]
+    load_async: bool = False  # the load waits for a promotion from a lower tier
+
+
+class KvDepotScheduler(KvCacheConnectorScheduler):
+    """Decides, per request, which blocks kvdepot loads and which chunks it saves."""
+
+    server: ClassVar[bool | None] = None  # None: the mode by configuration; True/False pins it
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        setup = Setup.from_llm_args(llm_args, server=self.server)
+        self._provider = setup.provider()
+        self._block = setup.tokens_per_block
+        self._tp_size = setup.tp_size
+        self._requests: dict[int, _SchedRequest] = {}
+        self._planner = DeltaPlanner(self._block)
+        self._finished: list[int] = []
+        self._warned_tp = False
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = int(request.request_id)
+        engine = self._provider.current()
+        tokens = list(request.get_tokens(0))
+        if engine is None or self._refuse_tp() or num_computed_tokens % self._block:
+            logger.info("lookup req=%s trt_matched=%d cached=0 new_matched=0", rid, num_computed_tokens)
+            return 0, False
+        if rid in self._requests:
+            logger.warning("kvdepot: request id %s seen again before it finished; its old state is dropped", rid)
+            engine.release(Lease(rid))
+        state = _SchedRequest(getattr(request, "prompt_len", len(tokens)), engine.chunk_keys(tokens), tokens=tokens)
+        self._requests[rid] = state
+        hit = engine.probe(state.keys, skip_tokens=num_computed_tokens, lease=Lease(rid))
+        usable = hit.tokens if engine.config.lower_tier_hits == "async" else hit.host_tokens
+        # Leave at least one prompt token to compute (TensorRT-LLM checks prepopulated < prompt_len).
+        limit = (state.prompt_len - 1) // self._block * self._block
+        matched = max(0, min(usable, limit) - num_computed_tokens) // self._block * self._block
+        if matched:
+            state.load = (num_computed_tokens // self._block, matched // self._block)
+            state.load_async = num_computed_tokens + matched > hit.host_tokens
+        else:
+            engine.release(Lease(rid))
+        logger.info(
+            "lookup req=%s trt_matched=%d cached=%d new_matched=%d%s", rid, num_computed_tokens, hit.tokens,
+            matched, " async" if state.load_async else "",
+        )
+        return matched, state.load_async
+
+    def _refuse_tp(self) -> bool:
+        """An engine that sees only this rank's cache never claims a hit under TP (other ranks may miss)."""
+        refuse = self._tp_size > 1 and not self._provider.sees_all_ranks
+        if refuse and not self._warned_tp:
+            logger.warning("kvdepot: tensor_parallel_size>1 needs the multi-process adapter (kvdepot server); in-process hits are off")
+            self._warned_tp = True
+        return refuse
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        state = self._requests.get(int(request.request_id))
+        if state is not None:
+            state.block_ids = list(block_ids)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvDepotMetadata:
+        meta = KvDepotMetadata(finished=self._finished, lease_session=self._provider.session())
+        self._finished = []
+        engine = self._provider.current()
+        if engine is None:
+            return meta
+        for data in scheduler_output.new_requests:
+            state = self._requests.get(data.request_id)
+            if state is None:  # never looked up (engine was not ready then): saves only
+                tokens = list(data.new_tokens)
+                state = _SchedRequest(len(tokens), engine.chunk_keys(tokens), tokens=tokens)
+                self._requests[data.request_id] = state
+            if len(data.new_block_ids) > len(state.block_ids):
+                state.block_ids = list(data.new_block_ids)
+            loading = state.load[1] * self._block if state.load else 0
+            self._plan(engine, data.request_id, state, data.computed_position + loading + data.num_scheduled_tokens, meta)
+        for data in scheduler_output.cached_requests:
+            state = self._requests.get(data.request_id)
+            if state is None:
+                continue
+            state.tokens.extend(data.new_tokens)
+            state.block_ids.extend(data.new_block_ids)
+            self._plan(engine, data.request_id, state, data.computed_position + data.num_scheduled_tokens, meta)
+        for rid, state in self._requests.items():  # parked for an async load: not in the output
+            if state.load is not None and state.load_async and state.block_ids:
+                self._plan(engine, rid, state, 0, meta)
+        return meta
+
+    def _plan(self, engine: Engine, rid: int, state: _SchedRequest, computed: int, meta: KvDepotMetadata) -> None:
+        """The shared planner's delta for this step, as TensorRT-LLM's item (plus the async-load flag)."""
+        hasher = engine.hasher
+        planned = self._planner.plan(
+            rid, state, computed, len(state.tokens), chunk_size=engine.layout.chunk_size,
+            save_decode=engine.config.save_decode_cache, more_keys=lambda: hasher.extend(state.keys, state.tokens),
+        )
+        # NOTE: a lookup here never promises 0 blocks, so a load in the delta is the one it promised.
+        if planned is not None:
+            delta = planned.delta
+            meta.requests.append(RequestMeta(**vars(delta), load_async=state.load_async and delta.load_num_blocks > 0))
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """True while the request's saves may still be copying: keep its blocks until get_finished."""
+        rid = int(request.request_id)
+        state = self._requests.pop(rid, None)
+        engine = self._provider.current()
+        if engine is not None:
+            engine.release(Lease(rid))
+        if state is None or not state.known:
+            return False
+        if state.saved_upto:
+            return True
+        self._finished.append(rid)
+        return False
