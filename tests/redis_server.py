@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import redis
+from redis.crc import key_slot
 
 REDIS_SERVER = shutil.which("redis-server")
 
@@ -74,3 +75,83 @@ class RedisServer:
         if "--requirepass" in self.extra:
             password = self.extra[self.extra.index("--requirepass") + 1]
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, password=password)
+
+
+REDIS_CLI = shutil.which("redis-cli")
+
+
+def _free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is a port and free too."""
+    while True:
+        port = _free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+
+
+class RedisClusterServers:
+    """Three masters of a real Redis Cluster on loopback (no replicas), each a ``RedisServer``
+    whose node a test can kill and restart: its slots (``cluster-config-file``) and data
+    (append-only file, fsynced per write) come back with it on the same port."""
+
+    def __init__(self, workdir: Path, masters: int = 3) -> None:
+        self.nodes: list[RedisServer] = []
+        self._owners: list[tuple[int, int, RedisServer]] = []
+        for i in range(masters):
+            node_dir = workdir / f"node{i}"
+            node_dir.mkdir(parents=True, exist_ok=True)
+            self.nodes.append(RedisServer(
+                node_dir, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no",
+                "--appendonly", "yes", "--appendfsync", "always",
+            ))
+            self.nodes[-1].port = _free_cluster_port()
+
+    @property
+    def url(self) -> str:
+        """The seed node's URL (what ``remote_url`` names with ``remote_cluster``)."""
+        return self.nodes[0].url
+
+    def start(self) -> None:
+        assert REDIS_CLI is not None
+        for node in self.nodes:
+            node.start()
+        addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
+        made = subprocess.run([REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+                              capture_output=True, text=True, timeout=30)
+        if made.returncode != 0:
+            self.stop()
+            raise RuntimeError(f"redis-cli --cluster create failed: {made.stdout[-2000:]} {made.stderr[-2000:]}")
+        self.wait_ok()
+
+    def wait_ok(self, timeout_s: float = 15) -> None:
+        """Until every running node reports cluster_state:ok and knows every slot's master."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if all(b"cluster_state:ok" in node.client().execute_command("CLUSTER", "INFO")
+                       for node in self.nodes if node.proc is not None):
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("the test cluster did not reach cluster_state:ok")
+
+    def node_of(self, name: bytes) -> RedisServer:
+        """The node serving the slot of key ``name`` (slots never move in these tests: the map
+        is read once)."""
+        if not self._owners:
+            for first, last, master, *_ in self.nodes[0].client().execute_command("CLUSTER", "SLOTS"):
+                port = int(master[1])
+                self._owners.append((first, last, next(n for n in self.nodes if n.port == port)))
+        slot = key_slot(name)
+        return next(node for first, last, node in self._owners if first <= slot <= last)
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

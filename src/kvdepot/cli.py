@@ -31,6 +31,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     vwidth = max(len(repr(getattr(config, f.name))) for f in fields)
     for f in fields:
         value = repr(getattr(config, f.name))
+        if f.metadata["secret"] and getattr(config, f.name) is not None:
+            value = "'***'"
         print(f"{f.name.ljust(width)}  {value.ljust(vwidth)}  [{sources[f.name]}]  {f.metadata['doc']}" if args.verbose
               else f"{f.name.ljust(width)}  {value.ljust(vwidth)}  [{sources[f.name]}]")
     return 0

@@ -33,8 +33,9 @@ ENV_PREFIX = "KVDEPOT_"
 CONFIG_FILE_ENV = "KVDEPOT_CONFIG_FILE"
 
 
-def _key(default: Any, doc: str, *, choices: tuple[str, ...] = (), minimum: float | None = None):
-    return field(default=default, metadata={"doc": doc, "choices": choices, "minimum": minimum})
+def _key(default: Any, doc: str, *, choices: tuple[str, ...] = (), minimum: float | None = None, secret: bool = False):
+    """A key; a ``secret`` one is left out of the config's repr and shown as *** by ``kvdepot config``."""
+    return field(default=default, repr=not secret, metadata={"doc": doc, "choices": choices, "minimum": minimum, "secret": secret})
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,8 @@ class DepotConfig:
     remote_timeout_s: float = _key(0.5, "Connect and per-operation socket timeout of the Redis tier, in seconds.", minimum=0.001)
     remote_retry_s: float = _key(1.0, "After a Redis outage, answer misses this long before trying again.", minimum=0)
     remote_ttl_s: float | None = _key(None, "Expire Redis values after this many seconds; unset keeps them until Redis evicts.", minimum=0.001)
+    remote_cluster: bool = _key(False, "remote_url names one seed node of a Redis Cluster / Valkey cluster (redis:// or rediss://), served through redis-py's cluster client; run it with cluster-require-full-coverage no, so a dead master costs only its slots.")
+    remote_secret: str | None = _key(None, "Shared secret of the Redis tier: values carry a keyed BLAKE3 tag derived from it, and a value whose tag fails (forged, or written without the secret) is a miss, counted. Every node of a deployment needs the same secret; unset = checksummed values only.", secret=True)
     write_queue_depth: int = _key(32, "Most write-behind jobs waiting for lower tiers; more are dropped and counted.", minimum=1)
     promote_to_disk: bool = _key(True, "Copy chunks promoted from Redis to disk too.")
     server_curve_dir: str | None = _key(None, "Directory of the CURVE keys written by `kvdepot keys DIR`: a tcp:// server admits only the clients whose public keys are in it, and its clients encrypt with them (the server reads server.key_secret and authorized_clients/, clients server.key and client.key_secret); ipc:// does not use it.")
@@ -96,6 +99,20 @@ class DepotConfig:
             if value is not None and not value.startswith(_ZMQ_SCHEMES):
                 raise ConfigError(f"config key {name!r}: value {value!r} is not allowed; expected a ZMQ address "
                                   "starting with " + ", ".join(_ZMQ_SCHEMES) + " (or unset)")
+        _check_remote(self)
+
+
+def _check_remote(config: DepotConfig) -> None:
+    """``remote_url`` must be a URL redis-py can use (checked here, not at the first call)."""
+    if config.remote_url is not None:
+        # NOTE: imported here: redis-py is loaded only when a URL is set
+        from kvdepot.storage.redis_client import redact, url_problem
+
+        problem = url_problem(config.remote_url, config.remote_cluster)
+        if problem is not None:
+            raise ConfigError(f"config key 'remote_url': value {redact(config.remote_url)!r} is not allowed; {problem}")
+    if config.remote_secret == "":
+        raise ConfigError("config key 'remote_secret': an empty secret is not allowed; expected a string (or unset)")
 
 
 _ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")

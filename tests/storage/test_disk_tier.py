@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvdepot.keys import ChunkKey
-from kvdepot.storage import codec, disk
+from kvdepot.storage import codec, disk, disk_io
 from kvdepot.storage.disk import DiskTier
 
 NS = bytes(range(16))
@@ -38,8 +38,8 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_pa
     the tier must have fallen back). emulated: the aligned-buffer path with the flag itself
     stripped, so it runs on any filesystem (tmpfs too)."""
     if request.param == "emulated":
-        monkeypatch.setattr(disk, "O_DIRECT", 0)
-        monkeypatch.setattr(disk, "probe_o_direct", lambda _d: True)
+        monkeypatch.setattr(disk_io, "O_DIRECT", 0)
+        monkeypatch.setattr(disk, "probe_o_direct", lambda *_a: True)
     return request.param
 
 
@@ -49,9 +49,9 @@ def overlap(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     overlap: on a helper thread while the payload is written (the header block last), and piece
     by piece while the rest is read (what a chunk over ``OVERLAP`` / ``READ_PIECE`` bytes gets)."""
     if request.param == "overlap":
-        monkeypatch.setattr(disk, "OVERLAP", 2 * disk.ALIGN)
-        monkeypatch.setattr(disk, "READ_PIECE", 2 * disk.ALIGN)
-    return disk.OVERLAP
+        monkeypatch.setattr(disk_io, "OVERLAP", 2 * disk.ALIGN)
+        monkeypatch.setattr(disk_io, "READ_PIECE", 2 * disk.ALIGN)
+    return disk_io.OVERLAP
 
 
 def make(tmp_path: Path, mode: str, capacity: int = 10**8, ns: bytes = NS) -> DiskTier:
@@ -88,8 +88,8 @@ def test_put_accepts_views_and_keeps_existing(tmp_path: Path, mode: str) -> None
 
 
 def test_objects_readable_across_io_modes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(disk, "O_DIRECT", 0)
-    monkeypatch.setattr(disk, "probe_o_direct", lambda _d: True)
+    monkeypatch.setattr(disk_io, "O_DIRECT", 0)
+    monkeypatch.setattr(disk, "probe_o_direct", lambda *_a: True)
     aligned = make(tmp_path, "emulated")
     assert aligned.put(key(1), payload(1, 5000))
     buffered = make(tmp_path, "buffered")
@@ -99,7 +99,7 @@ def test_objects_readable_across_io_modes(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_probe_failure_falls_back_to_buffered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(disk, "probe_o_direct", lambda _d: False)
+    monkeypatch.setattr(disk, "probe_o_direct", lambda *_a: False)
     tier = make(tmp_path, "direct")
     assert tier.o_direct is False
     assert tier.put(key(1), payload(1)) and tier.get(key(1)) == payload(1)
@@ -190,12 +190,12 @@ def _flip_last_piece(path: Path) -> None:
 
 def _flip_middle_piece(path: Path) -> None:
     raw = bytearray(path.read_bytes())
-    raw[disk.OFFSET + 5 * disk.READ_PIECE + 7] ^= 0x01
+    raw[disk.OFFSET + 5 * disk_io.READ_PIECE + 7] ^= 0x01
     path.write_bytes(raw)
 
 
 def _cut_a_piece(path: Path) -> None:
-    os.truncate(path, disk.OFFSET + 3 * disk.READ_PIECE)
+    os.truncate(path, disk.OFFSET + 3 * disk_io.READ_PIECE)
 
 
 @pytest.mark.parametrize("damage", [_flip_last_piece, _flip_middle_piece, _cut_a_piece, _flip_payload, _flip_header])
@@ -204,7 +204,7 @@ def test_damage_in_any_piece_of_a_long_read_is_a_miss(
     tmp_path: Path, mode: str, damage, into: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A payload read in pieces (checksummed while the next piece is read) is verified whole."""
-    monkeypatch.setattr(disk, "READ_PIECE", 2 * disk.ALIGN)
+    monkeypatch.setattr(disk_io, "READ_PIECE", 2 * disk.ALIGN)
     n = 20 * disk.ALIGN + 123  # ten pieces and a partial block
     tier = make(tmp_path, mode)
     assert tier.put(key(1), payload(1, n)) and tier.put(key(3), payload(3, n))
@@ -233,10 +233,12 @@ def test_restart_rebuilds_the_index(tmp_path: Path, mode: str) -> None:
     stray = files(tier)[0].parent / ".deadbeef.1234.tmp"
     stray.write_bytes(b"half-written")
     (files(tier)[0].parent / "not-a-key").write_bytes(b"left alone")
+    used = tier.stats().used_bytes
+    tier.close()  # the process ends: a legacy temp (no claim id) is litter once nobody else is here
     again = make(tmp_path, mode)
     assert not stray.exists()
     assert again.contains_many([key(i) for i in range(6)]) == [True] * 5 + [False]
-    assert again.stats().used_bytes == tier.stats().used_bytes
+    assert again.stats().used_bytes == used == again.stats().shared_used_bytes
     assert all(again.get(key(i)) == payload(i) for i in range(5))
 
 
@@ -414,22 +416,22 @@ def test_aligned_sources_and_destinations_take_no_bounce_copy(tmp_path: Path, mo
     assert tier.put(key(1), src)
     out = aligned_buffer(src.nbytes)
     assert tier.get_into(key(1), out) == src.nbytes and out == src
-    assert not hasattr(tier._local, "bounce")
+    assert not hasattr(tier._io._local, "bounce")
     assert tier.put(key(2), aligned_buffer(5000, skew=8))
     assert tier.get_into(key(2), aligned_buffer(5000, skew=8)) == 5000
-    assert hasattr(tier._local, "bounce") is tier.o_direct
+    assert hasattr(tier._io._local, "bounce") is tier.o_direct
     tier.close()
-    assert not hasattr(tier._local, "bounce") and not hasattr(tier._local, "blocks")
+    assert not hasattr(tier._io._local, "bounce") and not hasattr(tier._io._local, "blocks")
 
 
 def test_close_stops_the_helpers_and_the_tier_still_works(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(disk, "OVERLAP", 2 * disk.ALIGN)
+    monkeypatch.setattr(disk_io, "OVERLAP", 2 * disk.ALIGN)
     tier = make(tmp_path, "buffered")
     assert tier.put(key(1), payload(1, 50_000))
-    helpers = tier._helpers
+    helpers = tier._io._helpers
     assert helpers is not None
     tier.close()
-    assert tier._helpers is None and helpers._shutdown
+    assert tier._io._helpers is None and helpers._shutdown
     assert tier.put(key(2), payload(2, 50_000)) and tier.get(key(2)) == payload(2, 50_000)
     tier.close()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import time
@@ -11,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from kvdepot.config import load_config
+from kvdepot.errors import ConfigError
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
 from kvdepot.storage.redis_tier import RedisTier
@@ -159,3 +162,55 @@ def test_paused_server_times_out_then_recovers(redis_server: RedisServer) -> Non
 def test_needs_url_or_client() -> None:
     with pytest.raises(ValueError, match="url or a client"):
         RedisTier(None, NS)
+
+
+def test_an_outage_is_one_line_and_its_end_one_line(
+    redis_factory: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    server = redis_factory("--requirepass", "pw")
+    url = f"redis://:pw@127.0.0.1:{server.port}/0"
+    tier = RedisTier(url, NS, timeout_s=0.3, retry_after_s=0.1)
+    assert tier.put(key(1), payload(1))
+    caplog.set_level(logging.INFO, logger="kvdepot")
+    server.stop()
+    for _ in range(4):  # several retry windows of the same outage
+        _assert_down(tier)
+        time.sleep(0.12)
+    server.start()
+    eventually(lambda: tier.put(key(1), payload(1)))
+    assert tier.get(key(1)) == payload(1)
+    lines = [r for r in caplog.records if r.name == "kvdepot"]
+    assert len(lines) == 2, [r.getMessage() for r in lines]
+    down, up = (r.getMessage() for r in lines)
+    where = f"redis://:***@127.0.0.1:{server.port}/0"  # the URL, its password hidden
+    assert where in down and "unavailable" in down and "pw@" not in down
+    assert where in up and "available again" in up
+    assert all(r.exc_info is None and "\n" not in r.getMessage() for r in lines)  # no traceback
+    assert tier.stats().unavailable >= 20 and tier.stats().errors >= 4
+    tier.close()
+
+
+@pytest.mark.parametrize("url", ["localhost:6379", "http://h:6379", "redis://", "unix://", "redis://h:notaport"])
+def test_a_malformed_url_is_refused_at_config_load(url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ConfigError, match=r"config key 'remote_url'.*(redis://|needs|port)"):
+        load_config(remote_url=url)
+    monkeypatch.setenv("KVDEPOT_REMOTE_URL", url)
+    with pytest.raises(ConfigError, match="remote_url"):
+        load_config()
+    with pytest.raises(ValueError, match="redis URL"):
+        RedisTier(url, NS)
+
+
+def test_a_cluster_seed_must_be_tcp() -> None:
+    with pytest.raises(ConfigError, match="remote_url.*cluster"):
+        load_config(remote_url="unix:///tmp/r.sock", remote_cluster=True)
+    assert load_config(remote_url="redis://10.0.0.1:7000", remote_cluster=True).remote_cluster
+    assert load_config(remote_url="unix:///tmp/r.sock").remote_url == "unix:///tmp/r.sock"
+
+
+def test_the_secret_is_not_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVDEPOT_REMOTE_SECRET", "hunter2")
+    config = load_config()
+    assert config.remote_secret == "hunter2" and "hunter2" not in repr(config)
+    with pytest.raises(ConfigError, match="remote_secret"):
+        load_config(remote_secret="")

@@ -70,6 +70,9 @@ class MemoryTier(CopyInto):
     def stats(self) -> TierStats:
         return self._stats
 
+    def note_write_dropped(self) -> None:
+        self._stats.dropped += 1
+
     def close(self) -> None:
         self.closed = True
 

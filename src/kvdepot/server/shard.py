@@ -142,10 +142,11 @@ class Group:
         self.geometry, self.dtype, self.tp_size = layout.geometry, layout.dtype, msg.tp_size
         namespace = mp_namespace(msg.model_id, layout.dtype_name, layout.geometry, layout.chunk_size, msg.tp_size, msg.cache_salt)
         self.hasher = ChunkHasher(namespace, config.hash_algo)
-        # The ranks share the server's host and disk budgets equally; one chunk per rank at least.
+        # The ranks share the server's host budget equally; one chunk per rank at least. The disk
+        # budget needs no split: every tier under one disk_path shares it (storage/disk_budget.py).
         per_rank = max(config.host_capacity_gb / msg.tp_size, (layout.chunk_bytes + 64) / 1e9)
         self.config = dataclasses.replace(
-            config, host_capacity_gb=per_rank, disk_capacity_gb=config.disk_capacity_gb / msg.tp_size,
+            config, host_capacity_gb=per_rank,
             model_id=msg.model_id, cache_salt=msg.cache_salt,
         )
         self.shards: dict[int, Shard] = {}

@@ -5,11 +5,12 @@ An object is a 64-byte header followed by the payload (the chunk's exact block b
     offset  size  field
     0       4     magic b"KVDC"
     4       2     format version (2)
-    6       2     flags: 0, or FLAG_ALIGNED (any other bit is rejected)
+    6       2     flags: FLAG_ALIGNED and/or FLAG_KEYED (any other bit is rejected)
     8       16    namespace digest (``keys.Namespace.digest``: model, dtype, geometry, salt …)
     24      16    chunk key
     40      8     payload length
-    48      16    checksum: xxh3_128 over header bytes [0, 48) followed by the payload
+    48      16    checksum: xxh3_128 over header bytes [0, 48) followed by the payload, or with
+                  FLAG_KEYED a tag: keyed BLAKE3 (first 16 bytes) over the same bytes
     64      n     payload                               (flags 0: Redis values)
     64      4032  zeros, then at 4096: the payload      (FLAG_ALIGNED: disk files)
 
@@ -21,6 +22,14 @@ only when magic, version, flags, namespace, key, length, padding and checksum al
 else is *corrupt* (a miss that the tier removes and counts). Version 1 objects (no aligned layout)
 read as corrupt and age out.
 
+Authenticated values (``FLAG_KEYED``; the Redis tier with ``remote_secret``): a checksum detects
+damage, not forgery — anyone who can write to the store can compute an xxh3 over a header naming
+any chunk. A keyed tag can only be made with the tag key (``tag_key(secret)``: BLAKE3's
+key-derivation mode over the secret), and it covers the namespace, the chunk key, the length and
+the flags, so bytes made for one chunk cannot pass for another's and a tagged value cannot be
+downgraded to an untagged one. A reader with a tag key serves only tagged values whose tag holds
+(anything else is *forged*); a reader without one refuses tagged values (it cannot check them).
+
 Primitives:
     encode_header(namespace, key, payload, aligned=False) -> bytes  what precedes the payload
                                                         (64 bytes, or 4096 when aligned)
@@ -28,15 +37,19 @@ Primitives:
     read_header(head, namespace, key) -> Header | None  parse and check identity; None if foreign/garbage
     verify(header, payload) -> bool                     length and checksum of a payload
     decode(obj, namespace, key) -> memoryview | None    the verified payload of a whole object
+    check(obj, namespace, key, tag_key) -> (payload, fault)  decode, saying why not: CORRUPT / FORGED
+    tag_key(secret) -> bytes                            the 32-byte tag key of a secret
     verify_pieces(header, pieces) -> bool               verify a payload read in consecutive pieces
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
+import blake3
 import xxhash
 
 from kvdepot.keys import KEY_BYTES, ChunkKey
@@ -48,6 +61,10 @@ MAGIC = b"KVDC"
 FORMAT_VERSION = 2
 NAMESPACE_BYTES = 16
 FLAG_ALIGNED = 1  # the payload starts at ALIGNED_OFFSET; the bytes between are zeros
+FLAG_KEYED = 2  # the checksum field is a keyed BLAKE3 tag (see the module docstring)
+_FLAGS = FLAG_ALIGNED | FLAG_KEYED
+CORRUPT, FORGED = "corrupt", "forged"  # why ``check`` found no payload
+_TAG_CONTEXT = "kvdepot 2026-12 chunk value tag v1"  # BLAKE3 derive-key context: never reuse
 ALIGNED_OFFSET = 4096  # a multiple of every logical block size O_DIRECT may ask for
 _HEADER = struct.Struct("<4sHH16s16sQ16s")
 HEADER_BYTES = _HEADER.size
@@ -60,6 +77,15 @@ class Header(NamedTuple):
     checksum: bytes
     signed: bytes  # header bytes [0, 48), the checksum's prefix
     offset: int  # where the payload starts: HEADER_BYTES, or ALIGNED_OFFSET
+    tag_key: bytes | None = None  # set when the checksum is a keyed tag (FLAG_KEYED)
+
+
+def tag_key(secret: str | bytes) -> bytes:
+    """The 32-byte BLAKE3 key that tags values, derived from a shared secret (any length)."""
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if not raw:
+        raise ValueError("the tag secret must not be empty")
+    return blake3.blake3(raw, derive_key_context=_TAG_CONTEXT).digest()
 
 
 def check_namespace(namespace: bytes) -> bytes:
@@ -69,43 +95,64 @@ def check_namespace(namespace: bytes) -> bytes:
     return namespace
 
 
-def _checksum(signed: bytes, payload: Payload) -> bytes:
-    digest = xxhash.xxh3_128(signed)
-    digest.update(payload)
-    return digest.digest()
+class _Digest(Protocol):
+    def update(self, data: Payload, /) -> object: ...
 
 
-def encode_header(namespace: bytes, key: ChunkKey, payload: Payload, aligned: bool = False) -> bytes:
+def _hasher(signed: bytes, key: bytes | None) -> _Digest:
+    """The checksum's running hash: xxh3_128, or keyed BLAKE3 (threads for long payloads)."""
+    if key is None:
+        return xxhash.xxh3_128(signed)
+    return blake3.blake3(signed, key=key, max_threads=blake3.blake3.AUTO)
+
+
+def _finish(digest: _Digest) -> bytes:
+    return digest.digest(16) if isinstance(digest, blake3.blake3) else digest.digest()  # type: ignore[attr-defined]
+
+
+def encode_header(namespace: bytes, key: ChunkKey, payload: Payload, aligned: bool = False,
+                  tag_key: bytes | None = None) -> bytes:
     """What precedes ``payload`` stored under ``key`` in ``namespace``: the 64-byte header, padded
-    with zeros to ``ALIGNED_OFFSET`` bytes when ``aligned``."""
+    with zeros to ``ALIGNED_OFFSET`` bytes when ``aligned``; tagged with ``tag_key`` if given."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(key)}")
     length = memoryview(payload).nbytes
-    flags = FLAG_ALIGNED if aligned else 0
+    flags = (FLAG_ALIGNED if aligned else 0) | (FLAG_KEYED if tag_key is not None else 0)
     signed = _HEADER.pack(MAGIC, FORMAT_VERSION, flags, namespace, key, length, b"")[:_SIGNED]
-    head = signed + _checksum(signed, payload)
+    digest = _hasher(signed, tag_key)
+    digest.update(payload)
+    head = signed + _finish(digest)
     return head + _PADDING if aligned else head
 
 
-def encode(namespace: bytes, key: ChunkKey, payload: Payload) -> bytes:
+def encode(namespace: bytes, key: ChunkKey, payload: Payload, tag_key: bytes | None = None) -> bytes:
     """Header and payload in one buffer (one payload copy: a Redis value must be contiguous)."""
-    return b"".join((encode_header(namespace, key, payload), payload))
+    return b"".join((encode_header(namespace, key, payload, tag_key=tag_key), payload))
 
 
-def read_header(head: Payload, namespace: bytes, key: ChunkKey) -> Header | None:
-    """Parse an object's bytes up to its payload (``ALIGNED_OFFSET`` of them cover either layout;
-    more are ignored); None unless it is ``key``'s, in ``namespace``, with zeros as padding."""
-    head = memoryview(head).cast("B")
+def _parse(head: memoryview, namespace: bytes, key: ChunkKey) -> tuple[Header, int] | None:
+    """(header, flags) of an object that is ``key``'s in ``namespace`` in today's format."""
     if head.nbytes < HEADER_BYTES:
         return None
     magic, version, flags, ns, stored_key, length, checksum = _HEADER.unpack(head[:HEADER_BYTES])
-    if magic != MAGIC or version != FORMAT_VERSION or flags & ~FLAG_ALIGNED or ns != namespace or stored_key != key:
+    if magic != MAGIC or version != FORMAT_VERSION or flags & ~_FLAGS or ns != namespace or stored_key != key:
         return None
+    offset = HEADER_BYTES
     if flags & FLAG_ALIGNED:
         if head.nbytes < ALIGNED_OFFSET or bytes(head[HEADER_BYTES:ALIGNED_OFFSET]) != _PADDING:
             return None
-        return Header(length, checksum, bytes(head[:_SIGNED]), ALIGNED_OFFSET)
-    return Header(length, checksum, bytes(head[:_SIGNED]), HEADER_BYTES)
+        offset = ALIGNED_OFFSET
+    return Header(length, checksum, bytes(head[:_SIGNED]), offset), flags
+
+
+def read_header(head: Payload, namespace: bytes, key: ChunkKey, tag_key: bytes | None = None) -> Header | None:
+    """Parse an object's bytes up to its payload (``ALIGNED_OFFSET`` of them cover either layout;
+    more are ignored); None unless it is ``key``'s, in ``namespace``, with zeros as padding, and
+    tagged exactly when ``tag_key`` is given."""
+    parsed = _parse(memoryview(head).cast("B"), namespace, key)
+    if parsed is None or bool(parsed[1] & FLAG_KEYED) != (tag_key is not None):
+        return None
+    return parsed[0]._replace(tag_key=tag_key)
 
 
 def verify(header: Header, payload: Payload) -> bool:
@@ -115,18 +162,33 @@ def verify(header: Header, payload: Payload) -> bool:
 def verify_pieces(header: Header, pieces: Iterable[Payload]) -> bool:
     """``verify`` of a payload that arrives in consecutive pieces (checked while later pieces are
     still being read); the same checksum as over the whole."""
-    digest, length = xxhash.xxh3_128(header.signed), 0
+    digest, length = _hasher(header.signed, header.tag_key), 0
     for piece in pieces:
         digest.update(piece)
         length += memoryview(piece).nbytes
-    return length == header.length and digest.digest() == header.checksum
+    return length == header.length and hmac.compare_digest(_finish(digest), header.checksum)
 
 
 def decode(obj: Payload, namespace: bytes, key: ChunkKey) -> memoryview | None:
-    """The payload of a whole object (a view, not a copy), or None if it is not a valid one."""
+    """The payload of a whole untagged object (a view, not a copy), or None if it is not a valid one."""
+    return check(obj, namespace, key)[0]
+
+
+def check(obj: Payload, namespace: bytes, key: ChunkKey, tag_key: bytes | None = None) -> tuple[memoryview | None, str | None]:
+    """(the verified payload of a whole object as a view, None), or (None, why): ``FORGED`` when a
+    ``tag_key`` is given and the object is ``key``'s by its header but untagged or its tag fails;
+    ``CORRUPT`` for anything else (damage, another chunk's or namespace's object, garbage)."""
     view = memoryview(obj).cast("B")
-    header = read_header(view, namespace, key)
-    if header is None or view.nbytes != header.offset + header.length:
-        return None
+    parsed = _parse(view, namespace, key)
+    if parsed is None:
+        return None, CORRUPT
+    header, flags = parsed
+    if bool(flags & FLAG_KEYED) != (tag_key is not None):
+        return None, FORGED if tag_key is not None else CORRUPT  # no tag to check / none we can check
+    header = header._replace(tag_key=tag_key)
+    if view.nbytes != header.offset + header.length:
+        return None, FORGED if tag_key is not None else CORRUPT
     payload = view[header.offset :]
-    return payload if verify(header, payload) else None
+    if verify(header, payload):
+        return payload, None
+    return None, FORGED if tag_key is not None else CORRUPT

@@ -68,6 +68,8 @@ class LowerTier(Tier, Protocol):
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]: ...
 
+    def note_write_dropped(self) -> None: ...  # a write-behind copy meant for it was dropped
+
     def close(self) -> None: ...
 
 
@@ -190,7 +192,8 @@ class TierManager:
         if config.remote_url:
             remote = RedisTier(
                 config.remote_url, namespace, timeout_s=config.remote_timeout_s,
-                retry_after_s=config.remote_retry_s, ttl_s=config.remote_ttl_s, events=events,
+                retry_after_s=config.remote_retry_s, ttl_s=config.remote_ttl_s,
+                cluster=config.remote_cluster, secret=config.remote_secret, events=events,
             )
         return cls(
             disk, remote, admission=config.disk_admission, queue_depth=config.write_queue_depth,
@@ -295,13 +298,14 @@ class TierManager:
 
     def _enqueue(self, key: ChunkKey, provider: Provider, targets: tuple[LowerTier, ...], *, internal: bool = False) -> bool:
         with self._lock:
-            if self._stopped or (self._closing and not internal):
-                self._stats.dropped += 1
-                return False
             try:
+                if self._stopped or (self._closing and not internal):
+                    raise queue.Full
                 self._queue.put_nowait((key, provider, targets))
             except queue.Full:
                 self._stats.dropped += 1
+                for tier in targets:
+                    tier.note_write_dropped()
                 return False
             self._stats.queued += 1
             return True
