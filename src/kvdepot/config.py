@@ -48,7 +48,7 @@ class DepotConfig:
     remote_url: str | None = _key(None, "Redis/Valkey URL (redis://, rediss://, unix://) of the shared tier; unset disables it.")
     server_url: str | None = _key(None, "URL of a kvdepot server (multi-process mode); unset uses the per-user ipc:// default.")
     save_decode_cache: bool = _key(False, "Also save chunks completed during decode, not only the prompt's.")
-    log_level: str = _key("INFO", "Level of the 'kvdepot' logger.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_level: str | None = _key(None, "Level of the 'kvdepot' logger; unset leaves it to the application (kvdepot server: INFO).", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     hash_algo: str = _key("xxh3_128", "Digest of the chained chunk keys (128-bit); blake3 is cryptographic, for untrusted multi-tenant prompts.", choices=("xxh3_128", "blake3"))
     cache_salt: str = _key("", "Mixed into every key: deployments with different salts never share KV.")
     model_id: str = _key("", "Model identity mixed into every key; adapters fill it from the engine's model name.")
@@ -66,7 +66,8 @@ class DepotConfig:
     promote_to_disk: bool = _key(True, "Copy chunks promoted from Redis to disk too.")
     server_timeout_s: float = _key(2.0, "Multi-process mode: every client call to the server gives up after this many seconds (then: no hit, store skipped).", minimum=0.001)
     session_timeout_s: float = _key(30.0, "Server: close a silent client's session (its leases, mapped pool) after this many seconds.", minimum=0.1)
-    metrics_port: int = _key(0, "Server: serve Prometheus metrics on 127.0.0.1:PORT (0 = off).", minimum=0)
+    metrics_port: int = _key(0, "Server: serve Prometheus metrics on metrics_host:PORT (0 = off).", minimum=0)
+    metrics_host: str = _key("127.0.0.1", "Server: address the Prometheus metrics listen on (0.0.0.0: every interface).")
     lower_tier_hits: str = _key(
         "prefetch",
         "How a hit found only on disk/Redis is served. prefetch: promote it into host memory in the "

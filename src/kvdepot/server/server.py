@@ -87,7 +87,7 @@ class DepotServer:
         self._bind()
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvdepot-handler")
         if self.metrics_port:
-            self._stop_metrics = start_metrics(self.service.snapshot, self.metrics_port)
+            self._stop_metrics = start_metrics(self.service.snapshot, self.metrics_port, self.config.metrics_host)
         self._thread = threading.Thread(target=self._loop, name="kvdepot-server", daemon=True)
         self._thread.start()
         logger.info("kvdepot server %d listening on %s (pid %d)", self.service.server_id, self.url, os.getpid())
