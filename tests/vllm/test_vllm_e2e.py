@@ -28,7 +28,7 @@ from vllm_helpers import (
     read_events,
 )
 
-from kvdepot.integrations.vllm.bench import Child
+from kvdepot.bench.vllm import Child
 from redis_server import REDIS_SERVER, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON)]
