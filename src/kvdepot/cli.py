@@ -25,7 +25,6 @@ BENCHES = {
     "mp": ("kvdepot.bench.mp", "server store/retrieve GB/s vs in-process and pinned memcpy; LOOKUP round trip"),
     "vllm": ("kvdepot.bench.vllm", "TTFT of real vLLM without a connector, with kvdepot, and with vLLM's own prefix cache"),
     "bookkeeping": ("kvdepot.bench.bookkeeping", "host-side cost of CacheEngine store/lookup/retrieve with no copy (CPU)"),
-    "anatomy": ("kvdepot.bench.anatomy", "where a store's and a load's time goes when they run together (CUDA)"),
 }
 
 

@@ -121,7 +121,7 @@ class Child:
         if spec.get("multiprocessing"):  # vLLM's default: engine core and worker in processes of their own
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         self._proc = subprocess.Popen(
-            [python or sys.executable, "-m", "kvdepot.integrations.vllm.bench", "--child", str(spec_path), str(self._out)],
+            [python or sys.executable, "-m", "kvdepot.bench.vllm", "--child", str(spec_path), str(self._out)],
             env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
 

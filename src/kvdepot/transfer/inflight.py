@@ -12,7 +12,7 @@ engine's, which guards the host tier). ``poll_locked`` expects it held; the othe
 A CUDA *store* is issued by one background thread (in order): the caller's stream gets an event
 at ``run`` and the issuer makes the store's stream wait for it, so the store still reads exactly
 what the caller's stream wrote before the call. Issuing a store's copies is host work of ~3.5 ms
-per GiB (``tools/transfer_anatomy.py``, H200 host); done by the caller, it kept the engine's step
+per GiB (the retired ``tools/transfer_anatomy.py``, perf-notes run J; H200 host); done by the caller, it kept the engine's step
 loop busy and held back a load issued right after it (the next step's), which started its copies
 only once the store's were all issued. A *load* is issued by the caller: its caller's stream must
 wait for it, and that wait has to be enqueued before ``run`` returns. A *layered* load is issued
