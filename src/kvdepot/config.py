@@ -175,7 +175,7 @@ def _from_file(path: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
         raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: cannot be read ({exc})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: not valid YAML ({exc})") from None
+        raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: not valid YAML ({' '.join(str(exc).split())})") from None  # one line
     if data is None:
         return {}
     if not isinstance(data, dict):
