@@ -23,7 +23,9 @@ def imports_after(argv: list[str]) -> set[str]:
     """Modules a fresh interpreter has imported after running ``kvdepot ARGV`` (help exits)."""
     code = ("import sys\nfrom kvdepot.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "print('MODULES', ' '.join(sorted(sys.modules)))")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    import kvdepot
+
+    env = {**os.environ, "PYTHONPATH": str(Path(kvdepot.__file__).resolve().parents[1])}  # the code under test
     out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, env=env, timeout=60).stdout
     return set(out.rsplit("MODULES ", 1)[1].split())
 
