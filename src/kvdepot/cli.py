@@ -116,9 +116,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     chosen = _named_bench(argv)
     for name, (module_name, text) in BENCHES.items():
-        p = benches.add_parser(name, help=text, description=text)
-        if argv is None or name == chosen:
-            importlib.import_module(module_name).add_arguments(p)
+        if argv is None or name == chosen:  # its module's docstring is its --help description
+            module = importlib.import_module(module_name)
+            p = benches.add_parser(name, help=text, description=module.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+            module.add_arguments(p)
+        else:
+            p = benches.add_parser(name, help=text, description=text)
         p.set_defaults(func=_cmd_bench)
     return parser
 

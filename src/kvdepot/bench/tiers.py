@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     root = Path(tempfile.mkdtemp(prefix="kvdepot-bench-tiers-", dir=args.disk_path))
     server, url = None, args.remote_url
     steps = (args.reps + 1) * (2 * ("disk" in parts) + ("redis" in parts)) + 4 * ("ttft" in parts)
-    report = Report(args, steps=steps, device=torch.device("cpu"), name="bench tiers",
+    report = Report(args, steps=steps, device=torch.device("cpu") if "ttft" in parts else None, name="bench tiers",
                     bars=Bars(("tier", "op"), ("tier GB/s", "raw GB/s"), "GB/s"))
     try:
         if url is None and parts & {"redis", "ttft"}:
