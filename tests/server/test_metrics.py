@@ -101,3 +101,23 @@ def test_a_taken_port_is_named() -> None:
         port = taken.getsockname()[1]
         with pytest.raises(KVDepotError, match=f"127.0.0.1:{port}"):
             start_metrics(lambda: p.StatsReply(1, 1, "ipc:///x", 0.0, 0, 0, 0, []), port)
+
+
+def test_a_taken_metrics_port_refuses_the_server_start_and_leaves_no_socket() -> None:
+    from mp_helpers import short_dir
+
+    work = short_dir()
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            server = DepotServer(f"ipc://{work}/s.sock", load_config(host_capacity_gb=0.01), metrics_port=port)
+            with pytest.raises(KVDepotError, match=f"127.0.0.1:{port}"):
+                server.start()
+        assert not (work / "s.sock").exists()
+        server.stop()
+    finally:
+        for f in work.iterdir():
+            f.unlink()
+        work.rmdir()

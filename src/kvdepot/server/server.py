@@ -84,10 +84,17 @@ class DepotServer:
 
     # ---- life cycle ---------------------------------------------------------------------------
     def start(self) -> DepotServer:
-        self._bind()
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvdepot-handler")
+        # Metrics first: a port that cannot be bound refuses the start before the socket exists.
         if self.metrics_port:
             self._stop_metrics = start_metrics(self.service.snapshot, self.metrics_port, self.config.metrics_host)
+        try:
+            self._bind()
+        except BaseException:
+            if self._stop_metrics is not None:
+                self._stop_metrics()
+                self._stop_metrics = None
+            raise
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="kvdepot-handler")
         self._thread = threading.Thread(target=self._loop, name="kvdepot-server", daemon=True)
         self._thread.start()
         logger.info("kvdepot server %d listening on %s (pid %d)", self.service.server_id, self.url, os.getpid())
