@@ -25,6 +25,7 @@ BENCHES = {
     "mp": ("kvdepot.bench.mp", "server store/retrieve GB/s vs in-process and pinned memcpy; LOOKUP round trip"),
     "vllm": ("kvdepot.bench.vllm", "TTFT of real vLLM without a connector, with kvdepot, and with vLLM's own prefix cache"),
     "bookkeeping": ("kvdepot.bench.bookkeeping", "host-side cost of CacheEngine store/lookup/retrieve with no copy (CPU)"),
+    "events": ("kvdepot.bench.kv_events_cost", "caller-side cost of a KV-event sink call, events off vs on (CPU)"),
 }
 
 

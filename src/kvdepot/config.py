@@ -78,9 +78,28 @@ class DepotConfig:
         choices=("prefetch", "async"),
     )
 
+    kv_events_endpoint: str | None = _key(
+        None,
+        "Publish vLLM-format KV events (which chunks host memory, disk and Redis hold) on this ZMQ "
+        "PUB address, e.g. tcp://*:5557: bound when it is a wildcard or ipc:// address, connected "
+        "otherwise; unset = off. See docs/events.md.",
+    )
+    kv_events_topic: str = _key("", "Topic frame of every KV-event message (empty by default).")
+    kv_events_replay_endpoint: str | None = _key(
+        None, "ZMQ ROUTER address (always bound) that answers requests for missed KV-event batches; unset = no replay."
+    )
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_value(f, getattr(self, f.name))
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(_ZMQ_SCHEMES):
+                raise ConfigError(f"config key {name!r}: value {value!r} is not allowed; expected a ZMQ address "
+                                  "starting with " + ", ".join(_ZMQ_SCHEMES) + " (or unset)")
+
+
+_ZMQ_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 # LMCache's names for the same things, so a user can bring an LMCache config file.

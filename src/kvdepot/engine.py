@@ -28,6 +28,7 @@ import torch
 
 from kvdepot.config import DepotConfig, load_config
 from kvdepot.errors import ConfigError, LayoutError
+from kvdepot.events.base import NULL_SINK, EventSink, EventSpace
 from kvdepot.keys import ChunkHasher, ChunkKey, Namespace
 from kvdepot.layout import PoolLayout
 from kvdepot.results import EngineStats, Hit, LayeredLoad, StoreHandle
@@ -68,6 +69,7 @@ class CacheEngine:
         namespace: Namespace | None = None,
         mover: BlockMover | None = None,
         namespace_fields: dict[str, Any] | None = None,
+        events: EventSink | None = None,
     ) -> None:
         self.config = config or load_config()
         if self.config.chunk_size != layout.chunk_size:
@@ -86,10 +88,21 @@ class CacheEngine:
                 f"of {layout.chunk_bytes} bytes (chunk_size={layout.chunk_size}); expected >= {layout.chunk_bytes / 1e9:.6f}"
             )
         pin = {"true": True, "false": False, "auto": torch.cuda.is_available()}[self.config.pin_host_memory]
-        self.host = HostTier(capacity, layout.chunk_bytes, pin_memory=pin)
-        self.mover: BlockMover = mover or _pick_mover(self.config.transfer_mover, layout)
-        self.lower = TierManager.from_config(self.config, self.hasher.seed) if (
-            self.config.disk_path or self.config.remote_url) else None
+        # KV events (events/): the caller's sink (a server's, shared by its engines), else this
+        # engine's own publisher when kv_events_endpoint is set; the tiers report to it.
+        self._own_events = _own_publisher(self.config) if events is None else None
+        self.events: EventSink = events or self._own_events or NULL_SINK
+        self.event_space = EventSpace(self.namespace.model_id, self.namespace.cache_salt, layout.chunk_size,
+                                      layout.tokens_per_block)
+        try:
+            self.host = HostTier(capacity, layout.chunk_bytes, pin_memory=pin, events=self.events)
+            self.mover: BlockMover = mover or _pick_mover(self.config.transfer_mover, layout)
+            self.lower = TierManager.from_config(self.config, self.hasher.seed, self.events) if (
+                self.config.disk_path or self.config.remote_url) else None
+        except BaseException:
+            if self._own_events is not None:
+                self._own_events.close()
+            raise
         self._lock = threading.RLock()
         self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s)
         self._pinner = ArenaPinner(self.host, self._lock)
@@ -141,7 +154,15 @@ class CacheEngine:
 
     # ---- keys and lookup --------------------------------------------------------------------
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
-        return self.hasher.chunk_keys(tokens)
+        """The keys of ``tokens``' full chunks; their tokens are described to the KV events."""
+        keys = self.hasher.chunk_keys(tokens)
+        self.events.describe(keys, tokens, self.event_space)
+        return keys
+
+    def describe(self, keys: Sequence[ChunkKey], tokens: Sequence[int]) -> None:
+        """Tell the KV events that ``keys[i]`` holds ``tokens[i*C:(i+1)*C]``: for callers that
+        compute keys with a hasher of their own (only a described chunk is announced)."""
+        self.events.describe(keys, tokens, self.event_space)
 
     def lookup(
         self,
@@ -406,7 +427,7 @@ class CacheEngine:
             return keys
         if tokens is None:
             raise LayoutError("either tokens or keys is required")
-        return self.hasher.chunk_keys(tokens)
+        return self.chunk_keys(tokens)
 
     def _check_blocks(self, num_tokens: int, block_ids: Sequence[int]) -> None:
         if not self._views:
@@ -444,6 +465,17 @@ class CacheEngine:
         self._promotions.close()
         if self.lower is not None:
             self.lower.close()
+        if self._own_events is not None:  # after the tiers: their last reports go out first
+            self._own_events.close()
+
+
+def _own_publisher(config: DepotConfig) -> Any:
+    """The engine's own KV-event publisher, or None when events are off (zmq imported only then)."""
+    if not config.kv_events_endpoint:
+        return None
+    from kvdepot.events.publisher import publisher_from_config
+
+    return publisher_from_config(config)
 
 
 def _pick_mover(name: str, layout: PoolLayout) -> BlockMover:

@@ -68,7 +68,8 @@ def test_call_counts_follow_the_contract(monkeypatch: pytest.MonkeyPatch) -> Non
     assert counts["start_load_kv"] == counts["wait_for_save"] == steps
     layers = eng.model.config.num_layers
     assert counts["wait_for_layer_load"] == counts["save_kv_layer"] == layers * steps
-    assert counts["request_finished"] == 1 and counts["get_finished"] == steps
+    # 1.2's overlap scheduler hands request_finished over one iteration later: one more get_finished.
+    assert counts["request_finished"] == 1 and counts["get_finished"] == steps + 1
     for meta in returns["build_connector_meta"]:
         assert isinstance(meta, KvDepotMetadata)
         assert pickle.loads(pickle.dumps(meta)) == meta  # TensorRT-LLM broadcasts it with MPI

@@ -31,6 +31,8 @@ class Script:
     load_delay_polls: int = 0
     calls: list[tuple[str, tuple]] = field(default_factory=list)
     streams: list[Any] = field(default_factory=list)  # as given: CUDA streams do not deepcopy
+    layer_streams: list[Any] = field(default_factory=list)  # the layer hooks' streams
+    requests: list[tuple[str, Any]] = field(default_factory=list)  # (call, request object as given)
     on_init: Callable[[str], None] | None = None
 
     def log(self, name: str, *args: Any) -> None:
@@ -59,16 +61,19 @@ def make_recording_connector(script: Script) -> tuple[type, type]:
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
             script.log("get_num_new_matched_tokens", request.request_id, num_computed_tokens)
+            script.requests.append(("get_num_new_matched_tokens", request))
             assert not hasattr(request, "py_request_id")  # the C++ binding view
             m = script.matched
             return m(request, num_computed_tokens) if callable(m) else m
 
         def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
             script.log("request_finished", request.py_request_id, cache_block_ids)
+            script.requests.append(("request_finished", request))
             return script.finished_returns
 
         def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
             script.log("update_state_after_alloc", request.py_request_id, block_ids)
+            script.requests.append(("update_state_after_alloc", request))
 
     class RecordingWorker(KvCacheConnectorWorker):
         def __init__(self, llm_args: Any):
@@ -94,9 +99,11 @@ def make_recording_connector(script: Script) -> tuple[type, type]:
 
         def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
             script.log("wait_for_layer_load", layer_idx)
+            script.layer_streams.append(stream)
 
         def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
             script.log("save_kv_layer", layer_idx)
+            script.layer_streams.append(stream)
 
         def wait_for_save(self, stream: Any) -> None:
             script.log("wait_for_save", stream is None)

@@ -1,4 +1,8 @@
-"""The executor drives a recording connector exactly as TensorRT-LLM's tests expect (reference §7.1)."""
+"""The executor drives a recording connector exactly as TensorRT-LLM's tests expect (reference §5-§7).
+
+These run with the overlap scheduler off (``disable_overlap_scheduler=True``), where every call of
+an iteration belongs to that iteration; ``test_runtime_overlap.py`` covers 1.2's default.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ LAYERS = 2  # the tiny preset
 
 
 def _engine(script: Script, max_tokens: int = 4096, **args) -> Engine:
+    args.setdefault("disable_overlap_scheduler", True)
     llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(max_tokens=max_tokens), **args)
     return Engine("tiny", llm_args=llm_args, connector=make_recording_connector(script))
 
@@ -196,7 +201,8 @@ def test_connector_imported_by_name_and_constructed_concurrently(monkeypatch):
     sched, worker = make_recording_connector(script)
     monkeypatch.setattr(runtime_fakes, "ImportedScheduler", sched, raising=False)
     monkeypatch.setattr(runtime_fakes, "ImportedWorker", worker, raising=False)
-    cfg = KvCacheConnectorConfig("runtime_fakes", "ImportedScheduler", "ImportedWorker")
+    cfg = KvCacheConnectorConfig(connector_module="runtime_fakes", connector_scheduler_class="ImportedScheduler",
+                                 connector_worker_class="ImportedWorker")
     llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(max_tokens=1024), kv_connector_config=cfg)
     engine = Engine("tiny", llm_args=llm_args)
     engine.generate([_prompt(10)], 2)

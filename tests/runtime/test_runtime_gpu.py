@@ -1,4 +1,5 @@
-"""The runtime on CUDA: same numerics as CPU, a real stream for the connector, a Llama-1B shape."""
+"""The runtime on CUDA: same numerics as CPU, 1.2's two streams for the connector, a Llama-1B shape,
+and a mutation test: a worker that waits for a layered load on the wrong stream is caught."""
 
 from __future__ import annotations
 
@@ -35,13 +36,77 @@ def test_cuda_forward_matches_cpu():
     torch.testing.assert_close(outs[0], outs[1], atol=1e-3, rtol=1e-3)
 
 
-def test_cuda_engine_passes_the_current_stream_and_a_cuda_pool():
+def test_cuda_engine_passes_the_outer_and_the_execution_stream_as_1_2_does():
     script = Script()
     engine = Engine("tiny", device="cuda", llm_args=_args(), connector=make_recording_connector(script))
     engine.generate([_prompt(40)], 3)
-    assert script.streams and all(isinstance(s, torch.cuda.Stream) for s in script.streams)
-    assert script.streams[0] == torch.cuda.current_stream()
+    outer = torch.cuda.current_stream()
+    # start_load_kv and wait_for_save: the outer stream; the layer hooks: the forward's own stream.
+    assert script.streams and all(s == outer for s in script.streams)
+    assert script.layer_streams and all(s == engine.execution_stream for s in script.layer_streams)
+    assert engine.execution_stream != outer
     assert engine.pool.is_cuda and script.count("register_kv_caches") == 1
+
+
+SLEEP_CYCLES = 200_000_000  # ~0.1 s on an H200: the forward is long done if it does not wait
+
+
+@pytest.mark.parametrize("wrong_stream", [False, True])
+def test_a_layered_load_waited_on_the_wrong_stream_is_caught(monkeypatch, kvdepot_env_cleared, wrong_stream):
+    """Mutation test. kvdepot's worker loads a hit layer by layer; the copies are delayed on their
+    side stream. Waited for on the hook's (execution) stream, the hit equals a run without kvdepot
+    bit for bit; the mutant waits on the outer stream it got in start_load_kv, which the forward
+    stopped watching when it began, so its layers read the blocks' stale KV: the outputs differ.
+    (With one stream for every hook, as the runtime had, the mutant was indistinguishable.)"""
+    import kvdepot.engine
+    from kvdepot.integrations.tensorrt_llm.adapter import (
+        KvDepotConnectorScheduler,
+        KvDepotConnectorWorker,
+    )
+    from kvdepot.integrations.tensorrt_llm.utils import current_engine, destroy_engine
+    from kvdepot.transfer.layered import LayeredLoad
+
+    monkeypatch.setattr(kvdepot.engine, "LAYER_PART_MIN_BYTES", 0)  # the tiny model's layer parts pass
+    monkeypatch.setenv("KVDEPOT_LOAD_BY_LAYER", "auto")
+    monkeypatch.setenv("KVDEPOT_CHUNK_SIZE", "64")
+    issue = LayeredLoad.issue_through
+
+    def slow_issue(self, count):
+        if self.issued == 0:
+            with torch.cuda.stream(self._side):
+                torch.cuda._sleep(SLEEP_CYCLES)
+        issue(self, count)
+
+    monkeypatch.setattr(LayeredLoad, "issue_through", slow_issue)
+
+    class WrongStreamWorker(KvDepotConnectorWorker):
+        def start_load_kv(self, stream):
+            self._outer = stream
+            super().start_load_kv(stream)
+
+        def wait_for_layer_load(self, layer_idx, stream):
+            super().wait_for_layer_load(layer_idx, self._outer)
+
+    worker = WrongStreamWorker if wrong_stream else KvDepotConnectorWorker
+    a, filler = _prompt(1100, 500), [(3 + 11 * i) % 499 + 1 for i in range(1152 - 4 + 1)]
+    destroy_engine()
+    try:
+        plain = Engine("tiny", device="cuda", llm_args=_args(1152), seed=0)
+        plain.generate([a], 4)
+        baseline = plain.generate([a], 4)[0]  # a device hit: the same forward over the same KV
+        assert baseline.num_device_reused_tokens == 1088
+        eng = Engine("tiny", device="cuda", llm_args=_args(1152), seed=0,
+                     connector=(KvDepotConnectorScheduler, worker))
+        eng.generate([a], 4)
+        eng.generate([filler], 4)  # evicts `a` from the engine's pool, leaving its KV in those blocks
+        hit = eng.generate([a], 4)[0]
+        assert hit.num_connector_matched_tokens == 1088 and hit.num_device_reused_tokens == 0
+        assert current_engine().stats().layered_loads
+        same = hit.output_ids == baseline.output_ids and all(
+            torch.equal(x, y) for x, y in zip(hit.logits, baseline.logits, strict=True))
+        assert same != wrong_stream
+    finally:
+        destroy_engine()
 
 
 @pytest.mark.parametrize("load_async", [False, True])

@@ -17,7 +17,7 @@ from kvdepot.integrations.tensorrt_llm.mp_adapter import (
     KvDepotMPConnectorWorker,
     KvDepotMPMetadata,
 )
-from kvdepot.runtime.llm_args import KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
+from kvdepot.runtime.llm_args import KvCacheConfig, TorchLlmArgs
 from kvdepot.server.remote import RemoteEngine
 from kvdepot.server.server import DepotServer
 
@@ -39,8 +39,8 @@ class Request:
 def _connector(workdir, monkeypatch, **config):
     monkeypatch.setattr(mp_adapter, "DEFAULT_TIMEOUT_S", 1.0)
     server = DepotServer(f"ipc://{workdir}/a.sock", load_config(chunk_size=CHUNK, **config)).start()
-    args = TorchLlmArgs(model="tiny-llama", kv_cache_config=KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK),
-                        kv_connector_config=KvCacheConnectorConfig(server_url=server.url))
+    monkeypatch.setenv("KVDEPOT_SERVER_URL", server.url)  # 1.2's connector config has no server_url
+    args = TorchLlmArgs(model="tiny-llama", kv_cache_config=KvCacheConfig(tokens_per_block=TOKENS_PER_BLOCK))
     pool = fill(torch.zeros(POOL_SHAPE, dtype=DTYPE), 7)
     worker, scheduler = KvDepotMPConnectorWorker(args), KvDepotMPConnectorScheduler(args)
     worker.register_kv_caches(pool)

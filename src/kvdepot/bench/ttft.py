@@ -32,6 +32,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -43,8 +44,9 @@ from kvdepot.bench.report import Report
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cuda = torch.cuda.is_available()
     parser.add_argument("--device", default="cuda" if cuda else "cpu", help="cuda (default when available) or cpu")
-    parser.add_argument("--model", default="llama-8b" if cuda else "small",
-                        help="runtime preset (" + ", ".join(_presets()) + ") or a checkpoint dir; random bf16 weights for presets")
+    parser.add_argument("--model", default="llama-8b" if cuda else "small", type=_model_arg,
+                        help="runtime preset (" + ", ".join(_preset_names()) + ") or a Llama checkpoint dir; "
+                             "random weights for presets")
     parser.add_argument("--lengths", default="4096,16384,32768" if cuda else "1024,2048", help="comma-separated prompt lengths")
     parser.add_argument("--miss-prompts", type=int, default=8,
                         help="distinct prompts in the 0%%-reuse run (each served with and without the connector)")
@@ -62,12 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here")
 
 
-def _presets() -> list[str]:
-    from kvdepot.runtime.model import PRESETS
-
-    return sorted(PRESETS)
-
-
 MODES = ("in-process", "whole", "mp")  # whole: in-process, loads by layer off (KVDEPOT_LOAD_BY_LAYER)
 
 
@@ -78,10 +74,15 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
 
 def _engine(args: argparse.Namespace, max_tokens: int, connected: bool, server_url: str | None = None):
     from kvdepot.runtime import Engine, KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
+    from kvdepot.runtime.llm_args import MainKvCacheConnectorConfig
 
     module = "kvdepot.integrations.tensorrt_llm." + ("mp_adapter" if server_url else "adapter")
     prefix = "KvDepotMP" if server_url else "KvDepot"
-    connector = KvCacheConnectorConfig(module, prefix + "ConnectorScheduler", prefix + "ConnectorWorker", server_url)
+    names = dict(connector_module=module, connector_scheduler_class=prefix + "ConnectorScheduler",
+                 connector_worker_class=prefix + "ConnectorWorker")
+    # server_url in the connector config is main's wider model (1.2 users set KVDEPOT_SERVER_URL).
+    connector = (MainKvCacheConnectorConfig(**names, server_url=server_url) if server_url
+                 else KvCacheConnectorConfig(**names))
     llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=max_tokens),
                             kv_connector_config=connector if connected else None)
     return Engine(args.model, device=args.device, llm_args=llm_args, seed=0)
@@ -289,12 +290,25 @@ def _misses(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _kv_bytes_per_token(args: argparse.Namespace) -> int:
-    from kvdepot.runtime.model import PRESETS, ModelConfig
-    from kvdepot.runtime.weights import config_from_hf
+def _preset_names() -> list[str]:
+    from kvdepot.runtime.weights import all_preset_names
 
-    cfg = ModelConfig.preset(args.model) if args.model in PRESETS else config_from_hf(args.model)
-    return cfg.num_layers * 2 * cfg.kv_block_elems_per_token * cfg.dtype.itemsize
+    return all_preset_names()
+
+
+def _model_arg(value: str) -> str:
+    """A preset name (Llama, FP8-KV Llama, MLA) or a checkpoint directory; else a one-line error."""
+    if value in _preset_names() or Path(value).is_dir():
+        return value
+    raise argparse.ArgumentTypeError(f"--model {value!r}: not a preset ({', '.join(_preset_names())}) "
+                                     "nor a checkpoint directory")
+
+
+def _kv_bytes_per_token(args: argparse.Namespace) -> int:
+    from kvdepot.runtime.weights import config_from_hf, preset_config
+
+    cfg = preset_config(args.model) if args.model in _preset_names() else config_from_hf(args.model)
+    return cfg.kv_bytes_per_token  # FP8 pools: 1 byte an element; MLA: one latent row a layer
 
 
 def _free() -> None:

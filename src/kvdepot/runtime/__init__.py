@@ -13,6 +13,7 @@ from kvdepot.runtime.llm_args import (
     CapacitySchedulerPolicy,
     KvCacheConfig,
     KvCacheConnectorConfig,
+    MainKvCacheConnectorConfig,
     SchedulerConfig,
     TorchLlmArgs,
 )
@@ -29,7 +30,7 @@ from kvdepot.runtime.weights import (
 __all__ = [
     "PRESETS", "Allocation", "BlockManager", "CapacitySchedulerPolicy", "ConnectorManager",
     "CppRequestView", "Engine", "KvCacheConfig", "KvCacheConnectorConfig", "LlamaModel",
-    "LlamaWeights", "LlmRequest", "LlmRequestState", "ModelConfig", "OutOfBlocks", "Result",
+    "LlamaWeights", "LlmRequest", "LlmRequestState", "MainKvCacheConnectorConfig", "ModelConfig", "OutOfBlocks", "Result",
     "RopeScaling", "SchedulerConfig", "Segment", "TorchLlmArgs", "build_model", "config_from_hf",
     "load_checkpoint", "random_weights", "resolve_connector_classes",
 ]

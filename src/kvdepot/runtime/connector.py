@@ -5,17 +5,20 @@ Every rule a connector can observe lives here, in one place (reference §2–§3
 * the scheduler and worker classes come from ``connector_module`` via ``importlib`` (or are given
   directly) and are constructed concurrently in a 2-thread pool, each with the full ``llm_args``;
 * ``register_forward_pass_callable()`` is asked once; ``register_kv_caches(pool)`` runs once;
-* ``get_num_new_matched_tokens`` gets a binding-only request view; ``(0, True)`` and leaving no
-  prompt token to compute raise like TensorRT-LLM's checks;
+* ``get_num_new_matched_tokens`` gets a binding-only request view, ``update_state_after_alloc`` and
+  ``request_finished`` the Python request; ``(0, True)`` and leaving no prompt token to compute
+  raise like TensorRT-LLM's checks;
 * ``SchedulerOutput`` is built from cumulative per-request token/block lists (first appearance:
   whole prompt and all blocks; then deltas), subtracting this step's synchronous connector matches
   from ``computed_position`` of new requests;
+* the metadata is pickled and unpickled on its way to the worker, as 1.2's broadcast does;
 * ids enter ``get_finished`` exactly once; ids coming back must have been handed over before.
 """
 
 from __future__ import annotations
 
 import importlib
+import pickle
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -130,20 +133,26 @@ class ConnectorManager:
         return out
 
     def start_batch(self, out: SchedulerOutput, stream: Any) -> None:
-        """``handle_metadata`` then ``start_load_kv``: the metadata is simply replaced each step."""
-        meta = self.scheduler.build_connector_meta(out)
+        """``handle_metadata`` then ``start_load_kv(outer stream)``. The metadata goes through a
+        pickle round trip (1.2 broadcasts it over MPI) and is simply replaced each step."""
+        meta = pickle.loads(pickle.dumps(self.scheduler.build_connector_meta(out)))
         self.worker.bind_connector_meta(meta)
         self.worker.start_load_kv(stream)
 
-    def layer_hooks(self, stream: Any) -> tuple[Callable[[int], None], Callable[[int], None]]:
-        return (lambda i: self.worker.wait_for_layer_load(i, stream),
-                lambda i: self.worker.save_kv_layer(i, stream))
+    def layer_hooks(self, exec_stream: Any) -> tuple[Callable[[int], None], Callable[[int], None]]:
+        """Module hooks on every decoder layer; they get the stream current during the forward,
+        i.e. the execution stream (``None`` on CPU)."""
+        return (lambda i: self.worker.wait_for_layer_load(i, exec_stream),
+                lambda i: self.worker.save_kv_layer(i, exec_stream))
 
-    def end_forward(self, stream: Any) -> None:
-        """The forward-pass callable (if any), then ``wait_for_save``: the end of every forward."""
+    def forward_done(self) -> None:
+        """The forward-pass callable, if any: run at the end of every forward, still on its stream."""
         if self.forward_pass_callable is not None:
             self.forward_pass_callable()
-        self.worker.wait_for_save(stream)
+
+    def wait_for_save(self, outer_stream: Any) -> None:
+        """After the outer stream has been made to wait for the execution stream."""
+        self.worker.wait_for_save(outer_stream)
 
     # -- completion ------------------------------------------------------------------------------
 

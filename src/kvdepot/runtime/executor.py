@@ -1,15 +1,21 @@
-"""A small paged inference engine that treats a KV connector the way TensorRT-LLM's PyTorch executor does.
+"""A small paged inference engine that treats a KV connector the way TensorRT-LLM 1.2's PyTorch executor does.
 
-One ``step()`` is one ``_executor_loop`` iteration (non-overlap, eager, reference §3.2):
+One ``step()`` is one ``_executor_loop`` iteration (eager, reference §5.1):
 
 1. schedule: running decodes (1 token each), running prefills (next chunk), then waiting requests
    in FCFS order while blocks allow (GUARANTEED_NO_EVICT: the whole prompt + max_new_tokens must
-   fit). A new request allocates its whole prompt, matches the device prefix, asks the connector
-   (``get_num_new_matched_tokens`` → ``update_state_after_alloc``); an async match parks it;
-2. ``build_connector_meta(SchedulerOutput)`` → ``bind_connector_meta`` → ``start_load_kv``;
-3. the forward (``wait_for_layer_load(i)`` / layer i / ``save_kv_layer(i)``), the forward-pass
-   callable, ``wait_for_save``; greedy sampling; finished requests → ``request_finished``;
-4. ``get_finished(new_saving_ids, new_loading_ids)``: frees saved requests, unparks loaded ones.
+   fit). A new request allocates its prompt's blocks only, matches the device prefix, asks the
+   connector (``get_num_new_matched_tokens`` with a C++-style view → ``update_state_after_alloc``
+   with the Python request); an async match parks it. Decode blocks are allocated one at a time
+   and reach the connector only as ``cached_requests[].new_block_ids`` deltas;
+2. ``build_connector_meta(SchedulerOutput)`` → ``bind_connector_meta`` → ``start_load_kv(outer)``;
+3. the forward on its own *execution stream* (CUDA), which first waits for the outer stream:
+   ``wait_for_layer_load(i, exec)`` / layer i / ``save_kv_layer(i, exec)``, the forward-pass
+   callable; then the outer stream waits for the execution stream and ``wait_for_save(outer)``;
+4. greedy sampling; with the overlap scheduler (1.2's default) the tokens reach the host, and
+   finished requests reach ``request_finished``, one iteration late, after the next forward;
+   on True the request is freed and only its blocks stay pinned until the save is reported;
+5. ``get_finished(new_saving_ids, new_loading_ids)``: unpins saved blocks, unparks loaded requests.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ class Engine:
         if classes is not None and args.kv_connector_config is None:
             # Connectors read kv_connector_config (e.g. server_url); name the classes we were given.
             args = replace(args, kv_connector_config=KvCacheConnectorConfig(
-                classes[0].__module__, classes[0].__name__, classes[1].__name__))
+                connector_module=classes[0].__module__, connector_scheduler_class=classes[0].__name__,
+                connector_worker_class=classes[1].__name__))
         self.device = torch.device(device)
         self.model, name = build_model(model if model is not None else args.model, self.device, seed)
         self.llm_args = args if args.model else replace(args, model=name)  # never mutate the caller's
@@ -61,16 +68,20 @@ class Engine:
         self.tokens_per_block = kv.tokens_per_block
         self.num_blocks = self._num_blocks()
         self.pool = torch.zeros(self.model.pool_shape(self.num_blocks, self.tokens_per_block),
-                                dtype=self.model.config.dtype, device=self.device)
+                                dtype=self.model.config.pool_dtype, device=self.device)
         self.blocks = BlockManager(self.num_blocks, self.tokens_per_block, kv.enable_block_reuse)
         self.connector = ConnectorManager.create(classes, self.llm_args) if classes else None
         if self.connector is not None:
             self.connector.register_kv_caches(self.pool)
         self.async_timeout_s = 120.0
+        self.overlap = not self.llm_args.disable_overlap_scheduler
+        # The forward's own stream, as 1.2's PyExecutor has: layer hooks see it, the rest the outer one.
+        self.execution_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._next_id = 1
         self._waiting: deque[LlmRequest] = deque()
         self._active: list[LlmRequest] = []  # admitted: prefill, decode or parked for a load
-        self._saving: dict[int, LlmRequest] = {}
+        self._pinned: set[int] = set()  # finished, freed; their blocks wait for get_finished
+        self._unprocessed: list[tuple[LlmRequest, int]] = []  # sampled, not on the host yet (overlap)
         self._reserved: dict[int, int] = {}  # blocks each running request may still need
         self._keep_all_logits: dict[int, bool] = {}
         self.results: dict[int, Result] = {}
@@ -79,8 +90,7 @@ class Engine:
         kv, c = self.llm_args.kv_cache_config, self.model.config
         caps = [kv.max_tokens // kv.tokens_per_block] if kv.max_tokens else []
         if self.device.type == "cuda" and kv.free_gpu_memory_fraction:
-            per_block = 2 * c.num_layers * c.kv_block_elems_per_token * kv.tokens_per_block
-            per_block *= torch.empty((), dtype=c.dtype).element_size()
+            per_block = c.kv_bytes_per_token * kv.tokens_per_block
             caps.append(int(torch.cuda.mem_get_info(self.device)[0] * kv.free_gpu_memory_fraction) // per_block)
         elif not caps:
             caps.append(CPU_DEFAULT_MAX_TOKENS // kv.tokens_per_block)
@@ -126,7 +136,7 @@ class Engine:
         return [self.generate([p], max_new_tokens, keep_all_logits)[0] for p in prompts]
 
     def has_work(self) -> bool:
-        return bool(self._waiting or self._active or self._saving)
+        return bool(self._waiting or self._active or self._pinned or self._unprocessed)
 
     def run_until_done(self) -> None:
         """Step until nothing waits, runs, loads or saves; polls gently while only the connector works."""
@@ -142,20 +152,26 @@ class Engine:
 
     def step(self) -> bool:
         """One executor iteration; returns whether a forward ran."""
-        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        outer = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         batch, parked_now = self._schedule()
         conn = self.connector
         if conn is not None and (batch or parked_now):
             # Context requests first, then generation ones, like TensorRT-LLM's scheduled batch.
             ordered = sorted((r for r, _ in batch), key=lambda r: r.state != State.CONTEXT_INIT)
             out = conn.build_scheduler_output(ordered, self.blocks.block_ids)
-            conn.start_batch(out, stream)
+            conn.start_batch(out, outer)
+        previous, self._unprocessed = self._unprocessed, []
         if batch:
-            self._forward(batch, stream)
+            self._forward(batch, outer)
+        # Overlap: the previous iteration's tokens reach the host now, after this forward was issued.
+        self._process(previous if self.overlap else self._unprocessed)
+        if not self.overlap:
+            self._unprocessed = []
         if conn is not None:
             saved, loaded = conn.get_finished()
             for rid in saved:
-                self._release(self._saving.pop(rid))
+                self._pinned.remove(rid)
+                self._release(rid)
             for req in self._active:
                 if req.request_id in loaded:
                     req.state = State.CONTEXT_INIT
@@ -233,15 +249,21 @@ class Engine:
 
     # -- forward and completion ------------------------------------------------------------------
 
-    def _forward(self, batch: list[tuple[LlmRequest, int]], stream: Any) -> None:
+    def _forward(self, batch: list[tuple[LlmRequest, int]], outer: Any) -> None:
         segments = []
         for req, n in batch:
             start = req.context_current_position if req.state == State.CONTEXT_INIT else len(req.tokens) - 1
             segments.append(Segment(req.tokens[start : start + n], start, self.blocks.block_ids(req.request_id)))
-        pre, post = self.connector.layer_hooks(stream) if self.connector else (None, None)
-        logits = self.model.forward(segments, self.pool, pre, post)
+        exec_stream = self.execution_stream
+        if exec_stream is None:
+            logits = self._run_model(segments, None)
+        else:
+            exec_stream.wait_stream(outer)  # what start_load_kv enqueued on `outer` precedes layer 0
+            with torch.cuda.stream(exec_stream):
+                logits = self._run_model(segments, exec_stream)
+            outer.wait_stream(exec_stream)  # wait_for_save's work on `outer` follows every layer
         if self.connector is not None:
-            self.connector.end_forward(stream)
+            self.connector.wait_for_save(outer)
         sampling = [i for i, (req, n) in enumerate(batch)
                     if req.state != State.CONTEXT_INIT or n == req.context_remaining_length]
         if not sampling:
@@ -251,8 +273,8 @@ class Engine:
         stacked = torch.stack([logits[i] for i in sampling])
         next_ids = stacked.argmax(-1).tolist()
         if self.device.type == "cuda":
-            # The forward stream only, as a sampler waits: a connector's side-stream copies (async
-            # saves) must not count toward a token's latency.
+            # The forward's streams only, as a sampler waits: a connector's side-stream copies
+            # (async saves) must not count toward a token's latency.
             torch.cuda.current_stream(self.device).synchronize()
         now = time.perf_counter()
         host = stacked.cpu()
@@ -261,6 +283,15 @@ class Engine:
             self._advance(req, n)
             if i in sampled:
                 self._append_token(req, *sampled[i], now)
+
+    def _run_model(self, segments: list[Segment], exec_stream: Any) -> list[torch.Tensor]:
+        """The model's forward with the layer hooks, then the forward-pass callable (on ``exec_stream``)."""
+        conn = self.connector
+        pre, post = conn.layer_hooks(exec_stream) if conn else (None, None)
+        logits = self.model.forward(segments, self.pool, pre, post)
+        if conn is not None:
+            conn.forward_done()
+        return logits
 
     def _advance(self, req: LlmRequest, n: int) -> None:
         """Record that ``n`` more tokens have K/V in the pool and offer their full blocks for reuse."""
@@ -272,6 +303,8 @@ class Engine:
         self.blocks.commit(req.request_id, req.tokens, computed)
 
     def _append_token(self, req: LlmRequest, token: int, logits: torch.Tensor, now: float) -> None:
+        if self.overlap and req.num_visible_tokens is None:
+            req.num_visible_tokens = len(req.tokens)  # the host sees this token one iteration later
         req.tokens.append(token)
         if req.first_token_time is None:
             req.first_token_time = now
@@ -279,29 +312,39 @@ class Engine:
         if self._keep_all_logits[req.request_id] or not req.logits:
             req.logits.append(logits)
         if len(req.generated) >= req.max_new_tokens or token == req.end_id:
-            self._finish(req, now)
+            # Never scheduled again; the host learns of it (request_finished) in _process.
+            req.state, req.finish_time = State.GENERATION_COMPLETE, now
+            self._active.remove(req)
+        self._unprocessed.append((req, len(req.tokens)))
 
-    def _finish(self, req: LlmRequest, now: float) -> None:
-        req.state, req.finish_time = State.GENERATION_COMPLETE, now
-        self._active.remove(req)
+    def _process(self, sampled: list[tuple[LlmRequest, int]]) -> None:
+        """An iteration's sampled tokens reach the host: visible in ``get_tokens``; finished
+        requests answered and handed to ``request_finished``."""
+        for req, num_tokens in sampled:
+            req.num_visible_tokens = None if num_tokens == len(req.tokens) else num_tokens
+            if req.state == State.GENERATION_COMPLETE and num_tokens == len(req.tokens):
+                self._finish(req)
+
+    def _finish(self, req: LlmRequest) -> None:
         self.results[req.request_id] = Result(
             req.request_id, req.prompt_len, req.generated, req.logits,
             ttft_s=req.first_token_time - req.submit_time,  # type: ignore[operator]
-            latency_s=now - req.submit_time,
+            latency_s=req.finish_time - req.submit_time,  # type: ignore[operator]
             num_device_reused_tokens=req.num_device_reused_tokens,
             num_connector_matched_tokens=req.num_connector_matched_tokens,
             connector_async_load=req.connector_async_load,
         )
         block_ids = self.blocks.block_ids(req.request_id)
         if self.connector is not None and self.connector.request_finished(req, block_ids):
+            # 1.2: the request is answered and freed; only its blocks stay, pinned, until reported.
             req.state = State.DISAGG_CONTEXT_TRANS_IN_PROGRESS
-            self._saving[req.request_id] = req
+            self._pinned.add(req.request_id)
         else:
-            self._release(req)
+            self._release(req.request_id)
 
-    def _release(self, req: LlmRequest) -> None:
-        self.blocks.free(req.request_id)
-        self._reserved.pop(req.request_id, None)
-        self._keep_all_logits.pop(req.request_id, None)
+    def _release(self, request_id: int) -> None:
+        self.blocks.free(request_id)
+        self._reserved.pop(request_id, None)
+        self._keep_all_logits.pop(request_id, None)
         if self.connector is not None:
-            self.connector.forget(req.request_id)
+            self.connector.forget(request_id)

@@ -4,13 +4,17 @@ Connectors receive ``llm_args`` in their constructors and read, in the wild:
 ``kv_cache_config.tokens_per_block`` (every connector), ``kv_connector_config.server_url`` (LMCache
 MP), ``tensor_parallel_size``/``pipeline_parallel_size``/``model`` (LMCache),
 ``parallel_config.to_mapping().rank`` (Dynamo KVBM), ``scheduler_config.capacity_scheduler_policy``
-and ``max_beam_width``. Names and defaults follow TensorRT-LLM's ``llm_args.py`` (reference §4).
+and ``max_beam_width``. Names and defaults follow TensorRT-LLM 1.2's ``llm_args.py`` (reference §3):
+the connector config is 1.2's strict three-field model (``server_url`` there is a start-up error,
+``MainKvCacheConnectorConfig`` is the opt-in for main's wider one), and the overlap scheduler is on
+by default as in 1.2 (``disable_overlap_scheduler=False``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import ClassVar
 
 from kvdepot.errors import ConfigError
 
@@ -36,14 +40,64 @@ class KvCacheConfig:
     dtype: str = "auto"
 
 
-@dataclass
 class KvCacheConnectorConfig:
-    """Where the connector classes live; imported with ``importlib`` like TensorRT-LLM does."""
+    """TensorRT-LLM 1.2's ``llm_args.KvCacheConnectorConfig``: strict, keyword-only, three fields.
 
-    connector_module: str = ""
-    connector_scheduler_class: str = ""
-    connector_worker_class: str = ""
-    server_url: str | None = None
+    1.2 declares it a pydantic ``StrictBaseModel``: exactly ``connector_module``,
+    ``connector_scheduler_class`` and ``connector_worker_class``, each a required ``str``; positional
+    arguments raise ``TypeError`` and any other key (``server_url`` included) is rejected with
+    "Extra inputs are not permitted". A double that accepted more hid exactly that start-up crash, so
+    this one refuses the same inputs. Main's wider model is ``MainKvCacheConnectorConfig`` (opt-in).
+    """
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("connector_module", "connector_scheduler_class", "connector_worker_class")
+    OPTIONAL: ClassVar[dict[str, object]] = {}  # key -> default; main's model widens this
+    __slots__ = ("connector_module", "connector_scheduler_class", "connector_worker_class")
+
+    def __init__(self, **data: object) -> None:
+        self._validate(data)
+        for name in (*self.FIELDS, *self.OPTIONAL):
+            object.__setattr__(self, name, data.get(name, self.OPTIONAL.get(name)))
+
+    @classmethod
+    def _validate(cls, data: dict[str, object]) -> None:
+        errors = [f"{k}: Extra inputs are not permitted" for k in data if k not in cls.FIELDS and k not in cls.OPTIONAL]
+        errors += [f"{k}: Field required" for k in cls.FIELDS if k not in data]
+        errors += [f"{k}: Input should be a valid string, got {type(v).__name__}" for k, v in data.items()
+                   if not isinstance(v, str) and (k in cls.FIELDS or (k in cls.OPTIONAL and v is not None))]
+        if errors:
+            raise ConfigError(f"{len(errors)} validation error(s) for {cls.__name__}: " + "; ".join(errors)
+                              + f" (allowed keys: {', '.join((*cls.FIELDS, *cls.OPTIONAL))})")
+
+    @classmethod
+    def model_validate(cls, data: object) -> KvCacheConnectorConfig:
+        """Build from a mapping, as ``kv_connector_config:`` in ``--extra_llm_api_options`` YAML is."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"{cls.__name__} needs a mapping, got {type(data).__name__}")
+        return cls(**data)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen here (set {name!r} when building it)")
+
+    def __eq__(self, other: object) -> bool:
+        names = (*self.FIELDS, *self.OPTIONAL)
+        return type(other) is type(self) and all(getattr(self, n) == getattr(other, n) for n in names)
+
+    def __repr__(self) -> str:
+        names = (*self.FIELDS, *self.OPTIONAL)
+        return f"{type(self).__name__}(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in names) + ")"
+
+
+class MainKvCacheConnectorConfig(KvCacheConnectorConfig):
+    """TensorRT-LLM main's (post-1.2) wider model: a ``connector`` preset and ``server_url``, with the
+    class fields optional. Opt-in only: nothing released as 1.2 accepts these keys."""
+
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+    OPTIONAL: ClassVar[dict[str, object]] = {
+        "connector_module": None, "connector_scheduler_class": None, "connector_worker_class": None,
+        "connector": None, "server_url": None,
+    }
+    __slots__ = ("connector", "server_url")
 
 
 @dataclass
@@ -87,7 +141,10 @@ class TorchLlmArgs:
     max_num_tokens: int = 8192  # per-iteration token budget; prefill chunks are cut to fit it
     enable_chunked_prefill: bool = True
     speculative_config: object | None = None
-    cuda_graph_config: object | None = None  # always eager here, so layer hooks run every step
+    cuda_graph_config: object | None = None  # eager only: set, it is refused with a connector (§3.2)
+    # 1.2's default: the next forward is enqueued before the last one's tokens reach the host, so
+    # request_finished comes one iteration late and decode deltas lag a token (reference §5.1, §6.1).
+    disable_overlap_scheduler: bool = False
     backend: str = "pytorch"
 
     @property
@@ -111,6 +168,8 @@ def validate_llm_args(args: TorchLlmArgs, with_connector: bool) -> None:
         return
     if args.scheduler_config.capacity_scheduler_policy != CapacitySchedulerPolicy.GUARANTEED_NO_EVICT:
         raise NotImplementedError("KV connector is only supported with guaranteed no evict scheduler policy.")
+    if args.cuda_graph_config is not None:
+        raise NotImplementedError("CUDA graphs are not supported with KV connector hooks.")
     if args.speculative_config is not None:
         raise NotImplementedError("KV connector is not supported with speculative decoding.")
     if not args.kv_cache_config.enable_block_reuse:

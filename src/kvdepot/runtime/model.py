@@ -12,6 +12,11 @@ token ``t`` of a request in block ``block_ids[t // B]`` at offset ``t % B``.
 
 Numerics follow HuggingFace's ``LlamaForCausalLM`` (RMSNorm in float32, rotate-half RoPE with
 optional llama3 frequency scaling, GQA by repeating KV heads, SwiGLU), so logits match it.
+
+An FP8 pool (``kv_dtype=torch.float8_e4m3fn``) stores ``K / kv_scale`` and ``V / kv_scale``
+saturated to e4m3, and attention reads them back as ``fp8 * kv_scale`` in the model dtype, as
+TensorRT-LLM's FP8 KV cache does with its per-tensor scale. ``mla.py`` is the MLA model; both
+satisfy ``PagedModel``, the engine's view of a model.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +67,11 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     tie_word_embeddings: bool = False
     rope_scaling: RopeScaling | None = None
+    kv_dtype: torch.dtype | None = None  # the pool's dtype when it is not the model's (FP8 KV)
+    kv_scale: float = 1.0  # FP8 KV: stored value = K or V / kv_scale
 
     def __post_init__(self) -> None:
+        check_kv_dtype(self)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -85,6 +93,55 @@ class ModelConfig:
         """Elements one token occupies in one K or V row of the pool."""
         return self.num_kv_heads * self.head_dim
 
+    kv_factor = 2  # K and V rows
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Pool bytes one token takes across all layers."""
+        return self.num_layers * self.kv_factor * self.kv_block_elems_per_token * self.pool_dtype.itemsize
+
+
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def check_kv_dtype(config: object) -> None:
+    kv, scale = config.kv_dtype, config.kv_scale  # type: ignore[attr-defined]
+    if kv is not None and kv not in FP8_DTYPES:
+        raise ConfigError(f"kv_dtype={kv}: only None (the model's dtype) or {FP8_DTYPES} are supported")
+    if not scale > 0:
+        raise ConfigError(f"kv_scale={scale} must be positive")
+
+
+def kv_store(rows: torch.Tensor, pool_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """K/V rows as the pool stores them: as is, or divided by ``scale`` and saturated to FP8."""
+    if pool_dtype not in FP8_DTYPES:
+        return rows
+    limit = torch.finfo(pool_dtype).max
+    return (rows.float() / scale).clamp_(-limit, limit).to(pool_dtype)
+
+
+def kv_load(stored: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Pool rows back in the model's dtype (FP8 dequantized with ``scale``)."""
+    if stored.dtype not in FP8_DTYPES:
+        return stored
+    return (stored.float() * scale).to(dtype)
+
+
+class PagedModel(Protocol):
+    """What the engine needs of a model: its pool's shape and dtype, and a paged forward."""
+
+    config: ModelConfig  # or mla.MlaConfig: vocab_size, num_layers, dtype, pool_dtype, kv_bytes_per_token
+    device: torch.device
+
+    def pool_shape(self, num_blocks: int, tokens_per_block: int) -> tuple[int, int, int, int]: ...
+
+    def forward(self, segments: Sequence[Segment], pool: torch.Tensor, pre_layer: LayerHook | None = None,
+                post_layer: LayerHook | None = None, all_logits: bool = False) -> list[torch.Tensor]: ...
+
 
 _LLAMA3_ROPE_1B = RopeScaling(32.0, 1.0, 4.0, 8192)
 _LLAMA3_ROPE_8B = RopeScaling(8.0, 1.0, 4.0, 8192)
@@ -102,6 +159,9 @@ PRESETS: dict[str, ModelConfig] = {
     "llama-8b": ModelConfig(128256, 4096, 14336, 32, 32, 8, 128, rope_theta=500000.0,
                             dtype=torch.bfloat16, rope_scaling=_LLAMA3_ROPE_8B),
 }
+# The same shapes over an FP8 (e4m3) KV pool; the scale keeps random-weight K/V in e4m3's range.
+PRESETS.update({f"{name}-fp8": replace(PRESETS[name], kv_dtype=torch.float8_e4m3fn, kv_scale=1 / 16)
+                for name in ("tiny", "llama-1b", "llama-8b")})
 
 
 @dataclass
@@ -117,7 +177,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Per-pair inverse frequencies (float32, CPU), with llama3 scaling when configured."""
     d = config.head_dim
     inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    s = config.rope_scaling
+    s = config.rope_scaling  # type: ignore[union-attr]
     if s is None:
         return inv
     # NOTE: llama3 scaling keeps short wavelengths, divides long ones by `factor`, and blends
@@ -171,6 +231,51 @@ class _SegmentPlan:
             self.mask = keys[None, :] <= pos[:, None]
 
 
+def plan_segments(segments: Sequence[Segment], tokens_per_block: int,
+                  device: torch.device) -> tuple[list[_SegmentPlan], torch.Tensor, torch.Tensor]:
+    """Per-segment index plans, and the batch's token ids and positions, for one forward."""
+    plans, tokens, positions, offset = [], [], [], 0
+    for seg in segments:
+        plans.append(_SegmentPlan(seg, offset, tokens_per_block, device))
+        tokens.extend(seg.token_ids)
+        positions.append(torch.arange(seg.start, seg.start + len(seg.token_ids)))
+        offset += len(seg.token_ids)
+    return plans, torch.tensor(tokens, dtype=torch.long, device=device), torch.cat(positions).to(device)
+
+
+def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE tables ``[n, 1, dim]`` for the given positions."""
+    freqs = pos.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def lm_logits(x: torch.Tensor, plans: list[_SegmentPlan], norm: torch.Tensor, lm_head: torch.Tensor,
+              eps: float, all_logits: bool) -> list[torch.Tensor]:
+    """Final norm and LM head: per segment, its last token's logits (or every token's)."""
+    if not all_logits:
+        x = x[torch.tensor([p.rows.stop - 1 for p in plans], device=x.device)]
+    logits = F.linear(_rms_norm(x, norm, eps), lm_head).float()
+    if all_logits:
+        return [logits[p.rows] for p in plans]
+    return list(logits.unbind(0))
+
+
+def write_rows(layer_kv: torch.Tensor, plan: _SegmentPlan, rows: Sequence[torch.Tensor], scale: float) -> None:
+    """Write the segment's rows (one ``[n, Hkv, D]`` tensor per K/V factor) at their positions."""
+    for f, x in enumerate(rows):
+        # layer_kv: [NB, factor, Hkv, B, D]; a transposed view makes (block, offset) adjacent indices.
+        layer_kv[:, f].transpose(1, 2)[plan.write_blocks, plan.write_offsets] = kv_store(
+            x[plan.rows], layer_kv.dtype, scale)
+
+
+def read_rows(layer_kv: torch.Tensor, plan: _SegmentPlan) -> torch.Tensor:
+    """Positions ``[0, end)`` of the request from the pool, as stored: ``[factor, Hkv, end, D]``."""
+    blocks = layer_kv[plan.read_blocks]  # [nb, factor, Hkv, B, D]
+    nb, factor, hkv, bpt, d = blocks.shape
+    return blocks.permute(1, 2, 0, 3, 4).reshape(factor, hkv, nb * bpt, d)[:, :, : plan.end]
+
+
 class LlamaModel:
     """Forward passes over a batch of request segments, with K/V kept in a TensorRT-LLM pool."""
 
@@ -211,28 +316,12 @@ class LlamaModel:
         hkv, d = c.num_kv_heads, c.head_dim
         bpt = pool.shape[3] // (hkv * d)
         pool6 = pool.view(pool.shape[0], pool.shape[1], 2, hkv, bpt, d)
-        plans, tokens, positions, offset = [], [], [], 0
-        for seg in segments:
-            plans.append(_SegmentPlan(seg, offset, bpt, self.device))
-            tokens.extend(seg.token_ids)
-            positions.append(torch.arange(seg.start, seg.start + len(seg.token_ids)))
-            offset += len(seg.token_ids)
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        pos = torch.cat(positions).to(self.device)
-        freqs = pos.float()[:, None] * self._inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(c.dtype)[:, None, :], emb.sin().to(c.dtype)[:, None, :]
-
+        plans, ids, pos = plan_segments(segments, bpt, self.device)
+        cos, sin = rope_cos_sin(pos, self._inv_freq, c.dtype)
         x = F.embedding(ids, w.embed)
         with sdpa_kernel(_SDPA_BACKENDS):
             x = self._layers(x, plans, pool6, cos, sin, pre_layer, post_layer)
-        if not all_logits:
-            x = x[torch.tensor([p.rows.stop - 1 for p in plans], device=self.device)]
-        x = _rms_norm(x, w.norm, c.rms_norm_eps)
-        logits = F.linear(x, w.lm_head).float()
-        if all_logits:
-            return [logits[p.rows] for p in plans]
-        return list(logits.unbind(0))
+        return lm_logits(x, plans, w.norm, w.lm_head, c.rms_norm_eps, all_logits)
 
     def _layers(self, x: torch.Tensor, plans: list[_SegmentPlan], pool6: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, pre_layer: LayerHook | None,
@@ -260,12 +349,9 @@ class LlamaModel:
                 layer_kv: torch.Tensor) -> torch.Tensor:
         """Write this segment's K/V into the pool, then attend over ``[0, end)`` read from it."""
         c = self.config
-        # layer_kv: [NB, 2, Hkv, B, D]; a transposed view makes (block, offset) adjacent indices.
-        layer_kv[:, 0].transpose(1, 2)[plan.write_blocks, plan.write_offsets] = k[plan.rows]
-        layer_kv[:, 1].transpose(1, 2)[plan.write_blocks, plan.write_offsets] = v[plan.rows]
-        blocks = layer_kv[plan.read_blocks]  # [nb, 2, Hkv, B, D]
-        nb, _, hkv, bpt, d = blocks.shape
-        kv = blocks.permute(1, 2, 0, 3, 4).reshape(2, hkv, nb * bpt, d)[:, :, : plan.end]
+        write_rows(layer_kv, plan, (k, v), c.kv_scale)
+        kv = kv_load(read_rows(layer_kv, plan), c.dtype, c.kv_scale)  # [2, Hkv, end, D]
+        hkv, d = kv.shape[1], kv.shape[3]
         rep = c.num_heads // hkv
         keys = kv[0].repeat_interleave(rep, dim=0)
         values = kv[1].repeat_interleave(rep, dim=0)

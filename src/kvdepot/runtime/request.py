@@ -40,6 +40,9 @@ class LlmRequest:
     num_connector_matched_tokens: int = 0
     cache_salt: str | None = None
     end_id: int | None = None
+    # Overlap scheduler: tokens the host has seen (None: all). The last sampled token reaches the
+    # host one iteration late, so get_tokens lags it, as 1.2's SchedulerOutput deltas show.
+    num_visible_tokens: int | None = None
     # engine bookkeeping, not part of TensorRT-LLM's surface
     num_device_reused_tokens: int = 0
     connector_async_load: bool = False
@@ -74,10 +77,11 @@ class LlmRequest:
 
     def get_tokens(self, beam: int | None = None) -> list[int] | list[list[int]]:
         """Prompt plus generated tokens: ``get_tokens(0)`` for beam 0, ``get_tokens()`` for all."""
-        return list(self.tokens) if beam is not None else [list(self.tokens)]
+        seen = self.tokens[: self.num_visible_tokens]
+        return seen if beam is not None else [seen]
 
     def get_num_tokens(self, beam: int = 0) -> int:
-        return len(self.tokens)
+        return len(self.tokens[: self.num_visible_tokens])
 
     @property
     def context_remaining_length(self) -> int:

@@ -12,12 +12,16 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 
 from kvdepot.errors import ConfigError
-from kvdepot.runtime.model import PRESETS, LlamaModel, ModelConfig, RopeScaling
+from kvdepot.runtime.model import PRESETS, LlamaModel, ModelConfig, PagedModel, RopeScaling
+
+if TYPE_CHECKING:
+    from kvdepot.runtime.mla import MlaConfig
 
 INIT_STD = 0.02  # keeps activations O(1) through the residual stream for any preset
 
@@ -179,18 +183,40 @@ def load_checkpoint(
     return config, LlamaWeights(embed, layers, norm, lm_head)
 
 
-def build_model(model: ModelConfig | str | Path, device: torch.device, seed: int) -> tuple[LlamaModel, str]:
+def preset_config(name: str) -> ModelConfig | MlaConfig:
+    """The config of a named preset, Llama (``PRESETS``) or MLA (``MLA_PRESETS``)."""
+    from kvdepot.runtime.mla import MLA_PRESETS
+
+    if name in PRESETS:
+        return PRESETS[name]
+    if name in MLA_PRESETS:
+        return MLA_PRESETS[name]
+    raise ConfigError(f"unknown model preset {name!r}; known: {sorted(all_preset_names())}")
+
+
+def all_preset_names() -> list[str]:
+    from kvdepot.runtime.mla import MLA_PRESETS
+
+    return sorted([*PRESETS, *MLA_PRESETS])
+
+
+def build_model(model: ModelConfig | MlaConfig | str | Path, device: torch.device,
+                seed: int) -> tuple[PagedModel, str]:
     """A model from a config (seeded random weights), a preset name, or a checkpoint directory.
 
     Returns the model and a name for ``llm_args.model``. Connectors may key caches on it, so a
     random model's name carries its seed and device type: different weights, different name.
     """
-    if isinstance(model, ModelConfig) or (isinstance(model, str) and model in PRESETS):
-        config = model if isinstance(model, ModelConfig) else ModelConfig.preset(model)
+    from kvdepot.runtime.mla import MlaConfig, MlaModel, mla_random_weights
+
+    if isinstance(model, (ModelConfig, MlaConfig)) or (isinstance(model, str) and model in all_preset_names()):
+        config = model if isinstance(model, (ModelConfig, MlaConfig)) else preset_config(model)
         label = model if isinstance(model, str) else f"custom-{config.num_layers}x{config.hidden_size}"
         name = f"{label}-random-seed{seed}-{torch.device(device).type}"
+        if isinstance(config, MlaConfig):
+            return MlaModel(config, mla_random_weights(config, seed, device)), name
         return LlamaModel(config, random_weights(config, seed, device)), name
     if Path(model).is_dir():
         config, weights = load_checkpoint(model, device)
         return LlamaModel(config, weights), str(model)
-    raise ConfigError(f"model {model!r} is neither a preset {sorted(PRESETS)} nor a checkpoint directory")
+    raise ConfigError(f"model {model!r} is neither a preset {all_preset_names()} nor a checkpoint directory")

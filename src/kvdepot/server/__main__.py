@@ -23,8 +23,9 @@ Run kvdepot's cache server: it owns the host memory tier and serves every Tensor
 engine (and every tensor-parallel rank) that connects, so cached KV survives engine restarts
 and is shared between engines on this machine.
 
-Engines find the server through kv_connector_config.server_url, else the KVDEPOT_SERVER_URL
-environment variable, else the default below. Use the multi-process connector:
+Engines find the server through the KVDEPOT_SERVER_URL environment variable (TensorRT-LLM 1.2's
+kv_connector_config has no server_url; main's may carry one), else the default below.
+Use the multi-process connector:
   connector_module="kvdepot.integrations.tensorrt_llm.mp_adapter",
   connector_scheduler_class="KvDepotMPConnectorScheduler",
   connector_worker_class="KvDepotMPConnectorWorker"

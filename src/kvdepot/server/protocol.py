@@ -163,6 +163,7 @@ class RegisterReply(msgspec.Struct, frozen=True):
     disk_blocks: int
     namespace_digest: bytes  # seed of the key chain; the client checks it computed the same
     group: str
+    wants_tokens: bool = False  # the server publishes KV events: send a lookup's tokens beside its keys
 
 
 # ---- hot path -----------------------------------------------------------------------------------

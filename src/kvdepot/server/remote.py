@@ -38,7 +38,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -57,6 +59,8 @@ from kvdepot.server.ipc import ExportedPool, export_pool, frame_tensor
 from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
+
+_RECENT_PROMPTS = 1024  # prompts whose tokens a KV-event server may still be sent
 
 REGISTER_TIMEOUT_S = 60.0
 
@@ -128,6 +132,10 @@ class RemoteEngine:
         self.layout: PoolLayout | None = None
         self.hasher: ChunkHasher | None = None
         self.granted: p.RegisterReply | None = None
+        # KV events (server with kv_events_endpoint): the tokens of recent prompts, by last key, so
+        # a lookup by keys can carry them to the server (docs/events.md).
+        self._recent_tokens: OrderedDict[ChunkKey, Sequence[int]] = OrderedDict()
+        self._recent_lock = threading.Lock()
         client.on_connect(self._register)
 
     @classmethod
@@ -191,7 +199,28 @@ class RemoteEngine:
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
         if self.hasher is None:
             raise Irrecoverable("not registered with a kvdepot server yet")
-        return self.hasher.chunk_keys(tokens)
+        keys = self.hasher.chunk_keys(tokens)
+        self.describe(keys, tokens)
+        return keys
+
+    def describe(self, keys: Sequence[ChunkKey], tokens: Sequence[int]) -> None:
+        """``keys[i]`` holds ``tokens[i*C:(i+1)*C]``: remembered (the last ``_RECENT_PROMPTS``
+        prompts) when the server publishes KV events, so a LOOKUP by ``keys`` carries them."""
+        if keys and self.granted is not None and self.granted.wants_tokens:
+            with self._recent_lock:
+                self._recent_tokens[keys[-1]] = tokens
+                self._recent_tokens.move_to_end(keys[-1])
+                if len(self._recent_tokens) > _RECENT_PROMPTS:
+                    self._recent_tokens.popitem(last=False)
+
+    def _tokens_for(self, keys: Sequence[ChunkKey], tokens: Sequence[int] | None) -> list[int]:
+        """What a LOOKUP carries beside its keys: nothing, unless the server asked for tokens."""
+        if not keys or self.granted is None or not self.granted.wants_tokens or self.layout is None:
+            return []
+        if tokens is None:
+            with self._recent_lock:
+                tokens = self._recent_tokens.get(keys[-1])
+        return [] if tokens is None else list(tokens[: len(keys) * self.layout.chunk_size])
 
     def probe(self, tokens: Sequence[int] | None = None, *, keys: Sequence[ChunkKey] | None = None,
               skip_tokens: int = 0, lease: Hashable = None) -> Hit:
@@ -200,7 +229,7 @@ class RemoteEngine:
         rid = int(lease) if lease is not None else 0  # type: ignore[call-overload]
         keys = keys if keys is not None else self.chunk_keys(tokens or [])
         try:
-            status, _ = self.client.call(p.Lookup(rid, w.join_keys(keys), [], skip_tokens))
+            status, _ = self.client.call(p.Lookup(rid, w.join_keys(keys), self._tokens_for(keys, tokens), skip_tokens))
             deadline = time.monotonic() + self.prefetch_wait_s
             while not status.done and time.monotonic() < deadline:  # type: ignore[attr-defined]
                 time.sleep(0.0005)

@@ -27,6 +27,7 @@ import torch
 
 from kvdepot.config import DepotConfig
 from kvdepot.errors import ConfigError, LayoutError
+from kvdepot.events.publisher import publisher_from_config
 from kvdepot.keys import KEY_BYTES
 from kvdepot.layout import PoolLayout
 from kvdepot.server import protocol as p
@@ -67,6 +68,7 @@ class DepotService:
         self._sessions: dict[bytes, Session] = {}
         self._groups: dict[tuple[str, str], Group] = {}
         self._sids = itertools.count(1)
+        self.events = publisher_from_config(config)  # one KV-event publisher for every engine here
 
     # ---- dispatch -----------------------------------------------------------------------------
     def handle(self, peer: bytes, frames: Sequence[p.Buffer]) -> list[p.Buffer]:
@@ -185,26 +187,28 @@ class DepotService:
         host_blocks = shard.engine.host.num_slots * layout.blocks_per_chunk
         disk_blocks = int(group.config.disk_capacity_gb * 1e9) // layout.bytes_per_block if group.config.disk_path else 0
         return p.RegisterReply(self.config.chunk_size, self.config.hash_algo, host_blocks, disk_blocks,
-                               group.hasher.seed, group.name), []
+                               group.hasher.seed, group.name, self.events is not None), []
 
     def _group(self, msg: p.Register, layout: PoolLayout) -> Group:
         with self._lock:
             group = self._groups.get((msg.model_id, msg.cache_salt))
             if group is None:
-                group = self._groups[(msg.model_id, msg.cache_salt)] = Group(msg, layout, self.config)
+                group = self._groups[(msg.model_id, msg.cache_salt)] = Group(msg, layout, self.config, self.events)
                 return group
         group.check(msg, layout)
         return group
 
     # ---- lookups ------------------------------------------------------------------------------
     def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads, *, now: bool = False) -> p.Reply:
-        if now and (msg.tokens or len(msg.keys) > INLINE_KEYS * KEY_BYTES):
+        if now and ((msg.tokens and not msg.keys) or len(msg.keys) > INLINE_KEYS * KEY_BYTES):
             raise _WouldBlock  # hashing tokens, or a very long prompt: not on the loop thread
         session = self._session(peer)
         reg = session.registration()
         if len(msg.keys) > MAX_CHUNKS * KEY_BYTES or len(msg.tokens) > MAX_CHUNKS * 16 or msg.skip_tokens < 0:
             raise ProtocolError(ErrorCode.BAD_REQUEST, "LOOKUP: too many keys/tokens or a negative skip")
         keys = w.split_keys(msg.keys) if msg.keys else reg.group.hasher.chunk_keys(msg.tokens)
+        if msg.tokens:  # the edge, server side: only chunks with known tokens are announced
+            reg.shard.engine.describe(keys, msg.tokens)
         lease = session.lease(msg.request_id)
         hit = reg.group.try_probe(keys, msg.skip_tokens, lease) if now else reg.group.probe(keys, msg.skip_tokens, lease)
         if hit is None:
@@ -329,6 +333,8 @@ class DepotService:
         for group in list(self._groups.values()):
             for shard in group.shards.values():
                 shard.engine.close()
+        if self.events is not None:
+            self.events.close()
 
     def stats(self, peer: bytes, msg: p.GetStats, payloads: p.Payloads) -> p.Reply:
         self._session(peer)

@@ -28,6 +28,8 @@ import torch
 
 from kvdepot.config import DepotConfig
 from kvdepot.engine import CacheEngine, StoreHandle
+from kvdepot.events.base import NULL_SINK
+from kvdepot.events.publisher import KVEventPublisher
 from kvdepot.keys import ChunkHasher, ChunkKey
 from kvdepot.layout import PoolLayout
 from kvdepot.server.protocol import ErrorCode, ProtocolError, Register, mp_namespace
@@ -45,7 +47,9 @@ class Shard:
         # Keys on the wire are rank-free; the engine's own namespace names the rank, so its disk
         # and Redis objects (stored under the namespace digest) never mix two ranks' bytes.
         namespace = dataclasses.replace(group.hasher.namespace, tp_rank=rank)
-        self.engine = CacheEngine(layout, config, namespace=namespace)
+        # Every shard reports to the server's one publisher, as its own holder (events/catalog.py).
+        events = group.events.sink((group.name, rank)) if group.events is not None else NULL_SINK
+        self.engine = CacheEngine(layout, config, namespace=namespace, events=events)
         self.lock = threading.Lock()
         self._attached: torch.Tensor | None = None
         self._placeholder = torch.empty(
@@ -121,8 +125,10 @@ class Shard:
 class Group:
     """One model's shards; the first registration fixes its geometry and TP size."""
 
-    def __init__(self, msg: Register, layout: PoolLayout, config: DepotConfig) -> None:
+    def __init__(self, msg: Register, layout: PoolLayout, config: DepotConfig,
+                 events: KVEventPublisher | None = None) -> None:
         self.model_id, self.cache_salt = msg.model_id, msg.cache_salt
+        self.events = events
         self.name = msg.model_id + (f"#{msg.cache_salt}" if msg.cache_salt else "")
         self.geometry, self.dtype, self.tp_size = layout.geometry, layout.dtype, msg.tp_size
         namespace = mp_namespace(msg.model_id, layout.dtype_name, layout.geometry, layout.chunk_size, msg.tp_size, msg.cache_salt)

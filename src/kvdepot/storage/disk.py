@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvdepot.events.base import NULL_SINK, EventSink, Medium
 from kvdepot.keys import KEY_BYTES, ChunkKey
 from kvdepot.storage import codec
 from kvdepot.storage.base import TierStats
@@ -127,6 +128,7 @@ class DiskTier:
         o_direct: bool | None = None,
         fsync: bool = False,
         policy: str = "lru",
+        events: EventSink = NULL_SINK,
     ) -> None:
         """Args:
         path: the tier's directory (shared by namespaces: each gets its own subdirectory).
@@ -134,6 +136,7 @@ class DiskTier:
         namespace: the 16-byte ``Namespace.digest`` whose objects this tier serves.
         o_direct: None or True = use O_DIRECT if the probe succeeds; False = never.
         fsync: fsync each object and its directory before it counts as stored.
+        events: told of every object stored and every one forgotten (evicted, deleted, corrupt).
         """
         self.namespace = codec.check_namespace(namespace)
         self.root = Path(path) / namespace.hex()
@@ -153,6 +156,7 @@ class DiskTier:
         self._io_failing = False
         self._helpers: ThreadPoolExecutor | None = None  # checksums that overlap writes
         self._stats = TierStats(name=self.name, capacity_bytes=self.capacity_bytes)
+        self._events = events
         self._scan()
 
     # ---- index ---------------------------------------------------------------------------
@@ -190,6 +194,7 @@ class DiskTier:
     def _forget_locked(self, key: ChunkKey) -> None:
         self._used -= self._sizes.pop(key)
         self._policy.remove(key)
+        self._events.removed(Medium.DISK, (key,))
 
     def _remove_locked(self, key: ChunkKey) -> None:
         self._forget_locked(key)
@@ -278,6 +283,7 @@ class DiskTier:
                 self._used += size
                 self._policy.touch(key)
                 self._stats.puts += 1
+                self._events.stored(Medium.DISK, (key,))
             else:
                 self._stats.dropped += 1
         return ok

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvdepot.events.base import NULL_SINK, EventSink, Medium
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.base import TierStats
 from kvdepot.storage.policy import POLICIES
@@ -49,6 +50,7 @@ class HostTier:
         pin_memory: bool = False,
         policy: str = "lru",
         clock: Callable[[], float] = time.monotonic,
+        events: EventSink = NULL_SINK,
     ) -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be positive, got {slot_bytes}")
@@ -69,6 +71,7 @@ class HostTier:
         self._leases: dict[Hashable, _Lease] = {}
         self._policy = POLICIES[policy]()
         self._clock = clock
+        self._events = events  # told of every chunk that becomes READY and every READY one dropped
         self._stats = TierStats(name=self.name, capacity_bytes=self.num_slots * slot_bytes)
 
     # ---- slots -------------------------------------------------------------------------
@@ -117,6 +120,7 @@ class HostTier:
         if victim is None:
             return False
         self._drop(victim)
+        self._events.removed(Medium.HOST, (victim,))
         self._stats.evictions += 1
         return True
 
@@ -162,6 +166,7 @@ class HostTier:
             self._ready.add(key)
             self._policy.touch(key)
             self._stats.puts += 1
+            self._events.stored(Medium.HOST, (key,))
         else:
             self._drop(key)
 
@@ -223,6 +228,7 @@ class HostTier:
         if key not in self._ready or self._pins.get(key):
             return False
         self._drop(key)
+        self._events.removed(Medium.HOST, (key,))
         return True
 
     @property

@@ -43,6 +43,7 @@ from typing import Protocol
 
 from kvdepot.config import DepotConfig
 from kvdepot.errors import ConfigError
+from kvdepot.events.base import NULL_SINK, EventSink
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.base import Tier, TierStats
 from kvdepot.storage.codec import Payload
@@ -173,22 +174,23 @@ class TierManager:
             thread.start()
 
     @classmethod
-    def from_config(cls, config: DepotConfig, namespace: bytes) -> TierManager:
-        """Disk if ``disk_path`` is set, Redis if ``remote_url`` is; the tiers are the manager's."""
+    def from_config(cls, config: DepotConfig, namespace: bytes, events: EventSink = NULL_SINK) -> TierManager:
+        """Disk if ``disk_path`` is set, Redis if ``remote_url`` is; the tiers are the manager's
+        (and report what they hold to ``events``)."""
         disk = remote = None
         if config.disk_path:
             try:
                 disk = DiskTier(
                     config.disk_path, int(config.disk_capacity_gb * 1e9), namespace,
                     o_direct={"auto": None, "true": True, "false": False}[config.disk_o_direct],
-                    fsync=config.disk_fsync,
+                    fsync=config.disk_fsync, events=events,
                 )
             except OSError as exc:
                 raise ConfigError(f"config key 'disk_path': {config.disk_path!r} is not a usable directory ({exc})") from None
         if config.remote_url:
             remote = RedisTier(
                 config.remote_url, namespace, timeout_s=config.remote_timeout_s,
-                retry_after_s=config.remote_retry_s, ttl_s=config.remote_ttl_s,
+                retry_after_s=config.remote_retry_s, ttl_s=config.remote_ttl_s, events=events,
             )
         return cls(
             disk, remote, admission=config.disk_admission, queue_depth=config.write_queue_depth,

@@ -26,6 +26,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from kvdepot.events.base import NULL_SINK, EventSink, Medium
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
 from kvdepot.storage.base import TierStats
@@ -53,6 +54,7 @@ class RedisTier:
         prefix: str = "kvdepot",
         client: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        events: EventSink = NULL_SINK,
     ) -> None:
         """Args:
         url: ``redis://``, ``rediss://`` or ``unix://`` URL, credentials included.
@@ -62,6 +64,9 @@ class RedisTier:
         ttl_s: expire values after this long (None: keep until the server evicts them).
         client: a ready client with the ``redis.Redis`` command API (e.g. ``RedisCluster``)
             instead of ``url``; its timeouts and retries are then the caller's.
+        events: told of every value set, and of every key the server answered is gone (the
+            server evicts and expires silently: a GET, EXISTS or DEL that finds nothing is how
+            this tier learns it).
         """
         self.namespace = codec.check_namespace(namespace)
         if client is None:
@@ -82,6 +87,7 @@ class RedisTier:
         self._down = False
         self._lock = threading.Lock()
         self._stats = TierStats(name=self.name)
+        self._events = events
         self.unavailable = 0  # calls that met an outage or were skipped during one
 
     def redis_key(self, key: ChunkKey) -> bytes:
@@ -138,7 +144,11 @@ class RedisTier:
             return pipe.execute()
 
         ok, found = self._call("EXISTS", run)
-        return [bool(n) for n in found] if ok and found else [False] * len(keys)
+        if not (ok and found):
+            return [False] * len(keys)
+        present = [bool(n) for n in found]
+        self._events.removed(Medium.REDIS, [k for k, hit in zip(keys, present, strict=True) if not hit])
+        return present
 
     def get(self, key: ChunkKey) -> memoryview | None:
         name = self.redis_key(key)
@@ -153,6 +163,8 @@ class RedisTier:
         if payload is None:
             if value is not None:
                 self._call("DEL", lambda: self._client.delete(name))
+            if ok:
+                self._events.removed(Medium.REDIS, (key,))
             return None
         # NOTE: no copy: a verified view into the reply (a copy of 32 MiB measured ~35 ms here,
         # mostly first-touch page faults); the caller copies it once, into its host slot.
@@ -166,10 +178,14 @@ class RedisTier:
                 self._stats.puts += 1
             else:
                 self._stats.dropped += 1
+        if ok:
+            self._events.stored(Medium.REDIS, (key,))
         return ok
 
     def delete(self, key: ChunkKey) -> bool:
         ok, removed = self._call("DEL", lambda: self._client.delete(self.redis_key(key)))
+        if ok:
+            self._events.removed(Medium.REDIS, (key,))
         return bool(ok and removed)
 
     def stats(self) -> TierStats:

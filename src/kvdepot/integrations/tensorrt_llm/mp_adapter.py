@@ -2,11 +2,11 @@
 
     KvCacheConnectorConfig(connector_module="kvdepot.integrations.tensorrt_llm.mp_adapter",
                            connector_scheduler_class="KvDepotMPConnectorScheduler",
-                           connector_worker_class="KvDepotMPConnectorWorker",
-                           server_url="ipc:///run/user/1000/kvdepot/server.sock")   # optional
+                           connector_worker_class="KvDepotMPConnectorWorker")
 
-The server URL comes from ``kv_connector_config.server_url``, else ``KVDEPOT_SERVER_URL``, else the
-per-user default. The scheduling logic and the metadata are the in-process adapter's (these
+The server URL comes from ``KVDEPOT_SERVER_URL`` (or ``server_url`` in the config file), else the
+per-user default. TensorRT-LLM 1.2's config has only the three fields above and rejects any other;
+where a version's config has ``server_url`` (main), ``kv_connector_config.server_url`` wins. The scheduling logic and the metadata are the in-process adapter's (these
 classes subclass it); what differs is where the engine is:
 
 Scheduler (rank 0)                                  Worker (every rank)

@@ -108,6 +108,7 @@ class Scheduler:
         tokens = list(request.all_token_ids)
         hasher = self._hasher(engine, request)
         state = SchedRequest(int(request.num_prompt_tokens), hasher.chunk_keys(tokens), request=request, hasher=hasher)
+        engine.describe(state.keys, tokens)  # the edge: the KV events announce only chunks with known tokens
         state.skip_blocks = num_computed_tokens // self._block
         self._requests[rid] = state
         started = time.perf_counter()
