@@ -37,3 +37,31 @@ def test_unknown_mode_is_refused():
     add_arguments(parser)
     with pytest.raises(SystemExit, match="allowed: in-process, whole, mp"):
         run(parser.parse_args(["--device", "cpu", "--model", "tiny", "--modes", "gpu"]))
+
+
+def test_layers_ahead_reaches_the_engine_as_a_parameter(tmp_path):
+    """``--layers-ahead`` sets config ``load_layers_ahead`` for the engine the connector makes
+    (no module constant is overwritten), and each row says which value it ran with."""
+    import argparse
+
+    from kvdepot.integrations.tensorrt_llm.utils import current_engine
+
+    from kvdepot.transfer import layered
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    seen = []
+    args = parser.parse_args(["--device", "cpu", "--model", "tiny", "--lengths", "256", "--layers-ahead", "2,64",
+                              "--miss-prompts", "2", "--miss-length", "256", "--decode-tokens", "2"])
+    from kvdepot.bench import ttft
+
+    def add_spy(row):
+        seen.append((row["layers ahead"], current_engine().config.load_layers_ahead))
+
+    rows = []
+    for ahead in (2, 64):
+        rows += ttft._hits(args, [256], 10.0, "in-process", add=lambda row, a=ahead: add_spy({"layers ahead": a, **row}),
+                           layers_ahead=ahead)
+    assert seen == [(2, 2), (64, 64)]
+    assert layered.LAYERS_AHEAD == 4  # the default stays what it was
+    assert all(r["tokens loaded"] == 224 for r in rows)

@@ -49,7 +49,7 @@ class DepotConfig:
     remote_url: str | None = _key(None, "Redis/Valkey URL (redis://, rediss://, unix://) of the shared tier; unset disables it.")
     server_url: str | None = _key(None, "URL of a kvdepot server (multi-process mode); unset uses the per-user ipc:// default.")
     save_decode_cache: bool = _key(False, "Also save chunks completed during decode, not only the prompt's.")
-    log_level: str = _key("INFO", "Level of the 'kvdepot' logger.", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    log_level: str | None = _key(None, "Level of the 'kvdepot' logger; unset leaves it to the application (kvdepot server: INFO).", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     hash_algo: str = _key("xxh3_128", "Digest of the chained chunk keys (128-bit); blake3 is cryptographic, for untrusted multi-tenant prompts.", choices=("xxh3_128", "blake3"))
     cache_salt: str = _key("", "Mixed into every key: deployments with different salts never share KV.")
     model_id: str = _key("", "Model identity mixed into every key; adapters fill it from the engine's model name.")
@@ -57,6 +57,7 @@ class DepotConfig:
     pin_host_memory: str = _key("auto", "Pin the host tier's memory: auto = when CUDA is available.", choices=("auto", "true", "false"))
     transfer_mover: str = _key("auto", "Block copy path (all on the copy engines): runs = one copy call per run of adjacent blocks, staged = GPU gather + few large copies, batch = one driver call (cuMemcpyBatchAsync) per window of per-run copies; auto = batch where the driver has it (CUDA 13), else staged below 2 MiB blocks, runs above.", choices=("auto", "batch", "runs", "staged"))
     load_by_layer: str = _key("auto", "TensorRT-LLM: copy a hit layer by layer so that each layer's forward starts once its own KV is in (wait_for_layer_load). auto = where each layer's part of a block is >= 64 KiB on a CUDA pool with the batch mover, once the engine's layer hooks have been seen to fire; in MP mode the worker's setting asks and the server's can refuse (CUDA IPC pools only); off = whole blocks, the forward waits for all of them.", choices=("auto", "off"))
+    load_layers_ahead: int = _key(4, "Layered loads: enqueue each layer's copies this many layers ahead of the forward that waits for them (more: fewer late copies, more driver calls before the forward starts; 64 = all of them in start_load_kv).", minimum=0)
     disk_admission: str = _key("always", "Which chunks the disk takes: all, or only those seen twice (stored or hit).", choices=("always", "second_hit"))
     disk_o_direct: str = _key("auto", "O_DIRECT for the disk tier: auto = probe the directory and fall back to buffered I/O.", choices=("auto", "true", "false"))
     disk_fsync: bool = _key(False, "Fsync each disk object and its directory before it counts as stored.")
@@ -70,7 +71,8 @@ class DepotConfig:
     server_curve_dir: str | None = _key(None, "Directory of the CURVE keys written by `kvdepot keys DIR`: a tcp:// server admits only the clients whose public keys are in it, and its clients encrypt with them (the server reads server.key_secret and authorized_clients/, clients server.key and client.key_secret); ipc:// does not use it.")
     server_timeout_s: float = _key(2.0, "Multi-process mode: every client call to the server gives up after this many seconds (then: no hit, store skipped).", minimum=0.001)
     session_timeout_s: float = _key(30.0, "Server: close a silent client's session (its leases, mapped pool) after this many seconds.", minimum=0.1)
-    metrics_port: int = _key(0, "Server: serve Prometheus metrics on 127.0.0.1:PORT (0 = off).", minimum=0)
+    metrics_port: int = _key(0, "Server: serve Prometheus metrics on metrics_host:PORT (0 = off).", minimum=0)
+    metrics_host: str = _key("127.0.0.1", "Server: address the Prometheus metrics listen on (0.0.0.0: every interface).")
     lower_tier_hits: str = _key(
         "prefetch",
         "How a hit found only on disk/Redis is served. prefetch: promote it into host memory in the "
@@ -210,7 +212,7 @@ def _from_file(path: str) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
         raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: cannot be read ({exc})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: not valid YAML ({exc})") from None
+        raise ConfigError(f"{CONFIG_FILE_ENV}={path!r}: not valid YAML ({' '.join(str(exc).split())})") from None  # one line
     if data is None:
         return {}
     if not isinstance(data, dict):

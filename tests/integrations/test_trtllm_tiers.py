@@ -127,7 +127,8 @@ def run_process(seed: int, env: dict[str, str], repeat: str = "once") -> dict:
 
 @pytest.mark.parametrize("mode", ["async", "prefetch"])
 def test_two_processes_share_through_redis(redis_server, mode: str) -> None:
-    env = {"KVDEPOT_CHUNK_SIZE": "64", "KVDEPOT_REMOTE_URL": redis_server.url, "KVDEPOT_LOWER_TIER_HITS": mode}
+    env = {"KVDEPOT_CHUNK_SIZE": "64", "KVDEPOT_REMOTE_URL": redis_server.url, "KVDEPOT_LOWER_TIER_HITS": mode,
+           "KVDEPOT_LOG_LEVEL": "INFO"}  # the lookup lines below are INFO records
     writer = run_process(60, env)
     reader = run_process(60, env, "once" if mode == "async" else "twice")  # fresh: empty host tier
     assert writer["logs"] == ["lookup req=1 trt_matched=0 cached=0 new_matched=0"]

@@ -72,3 +72,13 @@ def test_redis_part_on_a_given_server_leaves_no_keys(redis_server: RedisServer) 
     rows = tiers.run(bench_args("--parts", "redis", "--remote-url", redis_server.url))
     assert [r["op"] for r in rows] == ["put / SET", "get / GET"]
     assert redis_server.client().dbsize() == 0
+
+
+def test_ttft_part_on_a_given_server_leaves_no_keys(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TTFT engines store every prompt's chunks in the user's Redis; the bench deletes them."""
+    monkeypatch.setenv("KVDEPOT_CHUNK_SIZE", "64")
+    redis_server.client().set("users-own-key", b"kept")
+    rows = tiers.run(bench_args("--parts", "ttft", "--remote-url", redis_server.url, "--model", "tiny",
+                                "--prompt-tokens", "200", "--prompts", "2"))
+    assert next(r for r in rows if r["phase"] == "redis hit")["tokens loaded"] == 192  # it did store there
+    assert redis_server.client().keys("*") == [b"users-own-key"]

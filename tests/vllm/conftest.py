@@ -13,7 +13,7 @@ from kvdepot.integrations.vllm.providers import destroy_engine
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A random 2-layer Llama (hidden 128, vocab 1000, 4096 positions) saved by transformers."""
-    from kvdepot.integrations.vllm.bench import make_tiny_llama
+    from kvdepot.bench.vllm import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 
@@ -38,7 +38,7 @@ def vllm_alone(tiny_model: str) -> Pending:
     vLLM beside it."""
     from vllm_helpers import COMMON, prompts
 
-    from kvdepot.integrations.vllm.bench import Child
+    from kvdepot.bench.vllm import Child
 
     return Pending(Child({**COMMON, "model": tiny_model, "prompts": list(prompts())}))
 

@@ -28,7 +28,7 @@ from vllm_helpers import (
     read_events,
 )
 
-from kvdepot.integrations.vllm.bench import Child
+from kvdepot.bench.vllm import Child
 from redis_server import REDIS_SERVER, RedisServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON)]
@@ -44,7 +44,7 @@ def runs(tiny_model: str, vllm_alone: Any, tmp_path_factory: pytest.TempPathFact
         redis.start()
     try:
         common = {**COMMON, "model": tiny_model}
-        extra = {"chunk_size": CHUNK, "host_capacity_gb": 0.25}
+        extra = {"chunk_size": CHUNK, "host_capacity_gb": 0.25, "log_level": "INFO"}  # its lookup lines are INFO
         if redis is not None:
             extra["remote_url"] = redis.url  # the connector engine also writes behind to Redis
         with_kv = Child({**common, "prompts": [A, A, B], "connector": True,

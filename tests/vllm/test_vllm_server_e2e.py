@@ -30,7 +30,7 @@ from vllm_helpers import (
     read_events,
 )
 
-from kvdepot.integrations.vllm.bench import Child
+from kvdepot.bench.vllm import Child
 from kvdepot.server.client import DepotClient
 from kvdepot.server.protocol import GetStats
 

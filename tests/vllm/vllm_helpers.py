@@ -24,7 +24,7 @@ COMMON = {"max_tokens": 8, "max_num_batched_tokens": 512}  # 512-token prefill s
 
 def prompts() -> tuple[list[int], list[int]]:
     """A: 2000 tokens; B: A's first 1100 tokens and a new suffix (900 tokens)."""
-    from kvdepot.integrations.vllm.bench import random_prompt
+    from kvdepot.bench.vllm import random_prompt
 
     a = random_prompt(2000, seed=1)
     return a, a[:1100] + random_prompt(900, seed=2)

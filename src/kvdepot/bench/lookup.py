@@ -12,21 +12,29 @@ import argparse
 import numpy as np
 import torch
 
-from kvdepot.bench.common import median_seconds, print_table
+from kvdepot.bench.common import median_seconds
+from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tokens", type=int, default=128 * 1024)
-    parser.add_argument("--chunk-size", type=int, default=256)
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--tokens", type=int, default=128 * 1024, help="prompt length to key and look up")
+    parser.add_argument("--chunk-size", type=int, default=256, help="tokens per kvdepot chunk")
+    parser.add_argument("--reps", type=int, default=50, help="timed calls of each kind (the median is shown)")
+    add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    rows = [_measure(args, algo) for algo in ("xxh3_128", "blake3")]
-    print_table(f"kvdepot bench lookup — {args.tokens} tokens, chunk {args.chunk_size}, median of {args.reps}", rows)
-    return rows
+    algos = ("xxh3_128", "blake3")
+    report = Report(args, steps=len(algos), bars=Bars(("hash",), ("keys from list ms", "keys from numpy ms",
+                                                                  "lookup (all hit) ms"), "ms"), name="bench lookup")
+    report.table(f"kvdepot bench lookup — {args.tokens} tokens, chunk {args.chunk_size}, median of {args.reps} "
+                 "(CPU work: the same on a GPU server's host)")
+    for algo in algos:
+        with report.step(algo):
+            report.add(_measure(args, algo))
+    return report.finish()
 
 
 def _measure(args: argparse.Namespace, algo: str) -> dict:

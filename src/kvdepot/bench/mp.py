@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from kvdepot.bench.common import device_name, median_seconds, memcpy_ceiling, print_table
+from kvdepot.bench.common import device_name, median_seconds, memcpy_ceiling
+from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.bench.server_proc import running_server
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
@@ -50,11 +51,16 @@ DEFAULTS: dict[str, Any] = {"device": "cuda" if torch.cuda.is_available() else "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=DEFAULTS["device"], choices=("cpu", "cuda"))
-    for name in ("layers", "kv_heads", "head_dim", "tokens_per_block", "chunk_size", "reps"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, default=DEFAULTS[name])
+    parser.add_argument("--device", default=DEFAULTS["device"], choices=("cpu", "cuda"),
+                        help="where the pool lives (cpu: a shared file the server maps; figures are host memcpy)")
+    helps = {"layers": "layers of the pool", "kv_heads": "KV heads per layer", "head_dim": "elements per head",
+             "tokens_per_block": "tokens per pool block", "chunk_size": "tokens per kvdepot chunk",
+             "reps": "timed operations of each kind (the median is shown)"}
+    for name, text in helps.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=DEFAULTS[name], help=f"{text} (default: {DEFAULTS[name]})")
     parser.add_argument("--blocks", type=int, default=None, help="blocks moved per operation (default on CUDA: 8192 tokens' worth, as bench transfer; 16 on CPU)")
     parser.add_argument("--lookups", type=int, default=DEFAULTS["lookups"], help="LOOKUP round trips timed")
+    add_output_arguments(parser)
 
 
 def _opt(args: Any, name: str) -> Any:
@@ -73,51 +79,60 @@ def run(args: Any) -> list[dict]:
     elems = _opt(args, "kv_heads") * B * _opt(args, "head_dim")
     shape = (moved * 2, _opt(args, "layers"), 2, elems)
     workdir = Path(tempfile.mkdtemp(prefix="kvd-bench-", dir="/tmp"))
+    report = Report(args, steps=5, device=device, name="bench mp",
+                    bars=Bars(("mode", "op"), ("GB/s",), "GB/s"))
+    report.table(f"kvdepot bench mp — {device_name(device)}", mode=13, op=10, pool=4)
     try:
         pool = (torch.empty(shape, dtype=torch.bfloat16, device=device) if device.type == "cuda"
                 else shared_cpu_pool(str(workdir / "pool"), shape, torch.bfloat16))
         pool.view(torch.int16).random_(-(2**15), 2**15 - 1)
         layout = PoolLayout.from_pool(pool, B, bpc * B)
         nbytes = moved * layout.bytes_per_block
+
+        def row(mode: str, op: str, **figures: Any) -> dict[str, Any]:
+            base = {"device": device_name(device), "block MiB": layout.bytes_per_block / 2**20, "blocks": moved,
+                    "mode": mode, "op": op, "pool": None, "GB/s": None, "ms/op": None, "ratio": None,
+                    "vs in-process": None, "p50 us": None, "p99 us": None}
+            return report.add({**base, **figures})
+
         # Two batches of room: the warm-up fills the arena (pinned in the background) and later
         # stores evict, the steady state of a busy cache.
         config = load_config(chunk_size=bpc * B, host_capacity_gb=(2 * nbytes + 1) / 1e9)
-        h2d, d2h, _both = memcpy_ceiling(nbytes, device, reps)
-        engine = CacheEngine(layout, config)
-        engine.register_pool(pool)
-        engine.wait_arena()
-        local = _rates(engine, moved, device, reps)
-        engine.close()
-        with running_server("--chunk-size", str(bpc * B), "--host-capacity-gb", repr(config.host_capacity_gb)) as url:
+        with report.step("memcpy"):
+            h2d, d2h, _both = memcpy_ceiling(nbytes, device, reps)
+        ceiling = {"store": d2h, "retrieve": h2d}
+        for op in ceiling:
+            row("memcpy", op, **{"GB/s": ceiling[op], "ms/op": nbytes / ceiling[op] / 1e6, "ratio": 1.0})
+        with report.step("in-process"):
+            engine = CacheEngine(layout, config)
+            engine.register_pool(pool)
+            engine.wait_arena()
+            local = _rates(engine, moved, device, reps)
+            engine.close()
+        for op in ceiling:
+            row("in-process", op, **{"GB/s": local[op], "ms/op": nbytes / local[op] / 1e6,
+                                     "ratio": local[op] / ceiling[op], "vs in-process": 1.0})
+        with report.step("start a server"), running_server(
+                "--chunk-size", str(bpc * B), "--host-capacity-gb", repr(config.host_capacity_gb)) as url:
             client = DepotClient(url, timeout_s=30.0, name="bench")
             try:
                 remote = RemoteEngine(client, pool, B, model_id="bench", config=config)
-                multi = _rates(remote, moved, device, reps)
-                ping = _rtt(client, None, _opt(args, "lookups"))
-                rtt = _rtt(client, remote.chunk_keys(list(range(moved * B))), _opt(args, "lookups"))
+                with report.step("multi-process copies"):
+                    multi = _rates(remote, moved, device, reps)
+                for op in ceiling:
+                    row("multi-process", op, pool=remote.exported.kind, **{
+                        "GB/s": multi[op], "ms/op": nbytes / multi[op] / 1e6, "ratio": multi[op] / ceiling[op],
+                        "vs in-process": multi[op] / local[op]})
+                with report.step("round trips"):
+                    row("multi-process", "ping rtt", **_rtt(client, None, _opt(args, "lookups")))
+                    row("multi-process", "lookup rtt", **_rtt(client, remote.chunk_keys(list(range(moved * B))),
+                                                             _opt(args, "lookups")))
                 remote.close()
             finally:
                 client.close()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    def row(mode: str, op: str, **figures: Any) -> dict[str, Any]:
-        base = {"device": device_name(device), "block MiB": layout.bytes_per_block / 2**20, "blocks": moved,
-                "mode": mode, "op": op, "pool": None, "GB/s": None, "ms/op": None, "ratio": None,
-                "vs in-process": None, "p50 us": None, "p99 us": None}
-        return {**base, **figures}
-
-    rows = []
-    for op, ceiling in (("store", d2h), ("retrieve", h2d)):
-        rows.append(row("memcpy", op, **{"GB/s": ceiling, "ms/op": nbytes / ceiling / 1e6, "ratio": 1.0}))
-        rows.append(row("in-process", op, **{"GB/s": local[op], "ms/op": nbytes / local[op] / 1e6,
-                                             "ratio": local[op] / ceiling, "vs in-process": 1.0}))
-        rows.append(row("multi-process", op, pool=remote.exported.kind, **{
-            "GB/s": multi[op], "ms/op": nbytes / multi[op] / 1e6, "ratio": multi[op] / ceiling,
-            "vs in-process": multi[op] / local[op]}))
-    rows.append(row("multi-process", "ping rtt", **ping))
-    rows.append(row("multi-process", "lookup rtt", **rtt))
-    print_table(f"kvdepot bench mp — {device_name(device)}", rows)
-    return rows
+    return report.finish()
 
 
 def _rates(engine: Any, moved: int, device: torch.device, reps: int) -> dict[str, float]:

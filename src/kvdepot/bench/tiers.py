@@ -26,13 +26,15 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvdepot.bench.common import median_seconds, print_table
+from kvdepot.bench.common import median_seconds
+from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.config import load_config
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
@@ -50,43 +52,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunks", type=int, default=8, help="chunks per repetition")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (after one warm-up)")
     parser.add_argument("--disk-path", default=None, help="directory to test (default: a temp dir under /tmp)")
-    parser.add_argument("--o-direct", choices=("auto", "true", "false"), default=config.disk_o_direct)
-    parser.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=config.disk_fsync)
-    parser.add_argument("--remote-url", default=None, help="Redis URL (default: start a redis-server here)")
+    parser.add_argument("--o-direct", choices=("auto", "true", "false"), default=config.disk_o_direct,
+                        help="O_DIRECT for the tier and the raw calls alike (default: config disk_o_direct)")
+    parser.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=config.disk_fsync,
+                        help="fsync each object (tier) and file (raw) before it counts (default: config disk_fsync)")
+    parser.add_argument("--remote-url", default=None, help="Redis URL (default: start a redis-server here); every key the "
+                        "bench writes there is deleted when it ends")
     parser.add_argument("--redis-timeout", type=float, default=5.0, help="socket timeout of both Redis clients (s)")
     parser.add_argument("--model", default="small", help="runtime preset or checkpoint dir (TTFT part)")
-    parser.add_argument("--prompt-tokens", type=int, default=2100)
+    parser.add_argument("--prompt-tokens", type=int, default=2100, help="prompt length of the TTFT part")
     parser.add_argument("--prompts", type=int, default=5, help="distinct prompts per TTFT phase")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in the TTFT part (0: torch's "
                         "default); 1 keeps TTFT stable when other jobs share the cores")
+    add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     parts, size = set(args.parts.split(",")), int(args.chunk_mib * 2**20)
     payload = os.urandom(size)
     root = Path(tempfile.mkdtemp(prefix="kvdepot-bench-tiers-", dir=args.disk_path))
-    server, url, rows = None, args.remote_url, []
+    server, url = None, args.remote_url
+    steps = (args.reps + 1) * (2 * ("disk" in parts) + ("redis" in parts)) + 4 * ("ttft" in parts)
+    report = Report(args, steps=steps, device=torch.device("cpu") if "ttft" in parts else None, name="bench tiers",
+                    bars=Bars(("tier", "op"), ("tier GB/s", "raw GB/s"), "GB/s"))
     try:
         if url is None and parts & {"redis", "ttft"}:
             server, url = _start_redis(root, size, args.chunks)
         cost = {name: 1e3 * median_seconds(fn, torch.device("cpu"), 3) for name, fn in _cpu_work(payload).items()}
-        rows += _disk(args, root, payload, cost) if "disk" in parts else []
-        rows += _redis(args, url, payload, cost) if "redis" in parts else []
-        print_table(f"kvdepot bench tiers — {args.chunks} x {size / 2**20:g} MiB x {args.reps} reps; {root} on {_fs_type(root)}; "
-                    f"load avg {os.getloadavg()[0]:.1f}; CPU ms per chunk: xxh3 {cost['xxh3']:.1f}, memcpy "
-                    f"{cost['memcpy']:.1f}, copy to fresh memory {cost['fresh']:.1f}", rows)
+        if parts & {"disk", "redis"}:
+            report.table(f"kvdepot bench tiers — {args.chunks} x {size / 2**20:g} MiB x {args.reps} reps; {root} on {_fs_type(root)}; "
+                         f"load avg {os.getloadavg()[0]:.1f}; CPU ms per chunk: xxh3 {cost['xxh3']:.1f}, memcpy "
+                         f"{cost['memcpy']:.1f}, copy to fresh memory {cost['fresh']:.1f}", op=22, reads=25)
+        if "disk" in parts:
+            _disk(args, root, payload, cost, report)
+        if "redis" in parts:
+            _redis(args, url, payload, cost, report)
         if "ttft" in parts:
-            ttft = _ttft(args, root / "ttft", url)
-            print_table(f"TTFT — {args.model} on CPU ({args.threads or torch.get_num_threads()} threads), {args.prompt_tokens}"
-                        f"-token prompts x {args.prompts}, load avg {os.getloadavg()[0]:.1f}; disk/redis hits: fresh "
-                        "engine, lower_tier_hits=async", ttft)
-            rows += ttft
+            report.table(f"TTFT — {args.model} on CPU ({args.threads or torch.get_num_threads()} threads), {args.prompt_tokens}"
+                         f"-token prompts x {args.prompts}, load avg {os.getloadavg()[0]:.1f}; disk/redis hits: fresh "
+                         "engine, lower_tier_hits=async", phase=15)
+            _ttft(args, root / "ttft", url, report)
     finally:
         if server is not None:
             server.kill()
             server.wait(timeout=10)
         shutil.rmtree(root, ignore_errors=True)
-    return rows
+    return report.finish()
 
 
 def _key() -> ChunkKey:
@@ -107,20 +118,21 @@ def _cpu_work(payload: bytes) -> dict[str, Callable[[], object]]:
 
 
 def _compare(args: argparse.Namespace, size: int, ops: list[tuple[str, Op, Op, float]], between: Callable[[int], object],
-             cleanup: Callable[[int], object], **more: object) -> list[dict]:
+             cleanup: Callable[[int], object], report: Report, **more: object) -> list[dict]:
     """Rows for ops (name, tier call, raw call, CPU ms per chunk the tier spends beyond the raw call,
     from the standalone costs measured in this run). ``between`` runs untimed after each op's chunks
     but the last's, ``cleanup`` after the last; repetition 0 is a warm-up."""
     times: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name, *_ in ops}
     for rep in range(args.reps + 1):
-        for j, (name, tier, raw, _) in enumerate(ops):
-            for i in range(args.chunks):
-                for slot, fn in [(0, tier), (1, raw)][:: 1 if (rep + i) % 2 else -1]:
-                    start = time.perf_counter()
-                    fn(rep, i)
-                    if rep:
-                        times[name][slot].append(time.perf_counter() - start)
-            (cleanup if j == len(ops) - 1 else between)(rep)
+        with report.step(f"{ops[0][0]}: {'warm-up' if rep == 0 else f'repetition {rep}'}"):
+            for j, (name, tier, raw, _) in enumerate(ops):
+                for i in range(args.chunks):
+                    for slot, fn in [(0, tier), (1, raw)][:: 1 if (rep + i) % 2 else -1]:
+                        start = time.perf_counter()
+                        fn(rep, i)
+                        if rep:
+                            times[name][slot].append(time.perf_counter() - start)
+                (cleanup if j == len(ops) - 1 else between)(rep)
     rows = []
     for name, _, _, cpu in ops:
         tier_s, raw_s = (statistics.median(t) for t in times[name])
@@ -160,7 +172,7 @@ def _drop_cache(root: Path) -> None:
         os.close(fd)
 
 
-def _disk(args: argparse.Namespace, root: Path, payload: bytes, cost: dict[str, float]) -> list[dict]:
+def _disk(args: argparse.Namespace, root: Path, payload: bytes, cost: dict[str, float], report: Report) -> list[dict]:
     """put and get_into move the bytes as the raw calls do: from and into reused page-aligned buffers
     (in the engine: host-arena slots). Labelled extras: get (new memory each call) and put of a
     ``bytes`` object (unaligned, as a ``tobytes()`` copy of a slot is)."""
@@ -204,8 +216,9 @@ def _disk(args: argparse.Namespace, root: Path, payload: bytes, cost: dict[str, 
 
         timed: list[tuple[str, Op, Op, float]] = [
             (name, lambda r, i, f=on_tier: f(keys[r][i]), lambda r, i, f=raw: f(paths[r][i]), cpu) for name, on_tier, raw, cpu in ops]
-        return _compare(args, size, timed, lambda rep: direct or _drop_cache(root), cleanup, O_DIRECT=direct,
+        rows = _compare(args, size, timed, lambda rep: direct or _drop_cache(root), cleanup, report, O_DIRECT=direct,
                         fsync=args.fsync, reads=source)
+        return [report.add({"tier": "disk", **row}) for row in rows]
 
     rows = compare("a", [  # extra CPU ms: what the tier does beyond the raw call (standalone costs of this run)
         ("put / write", put(src), write, cost["xxh3"]),
@@ -214,7 +227,7 @@ def _disk(args: argparse.Namespace, root: Path, payload: bytes, cost: dict[str, 
     ])
     rows += compare("b", [("put, bytes / write", put(payload), write, cost["xxh3"] + (cost["memcpy"] if direct else 0))])
     tier.close()
-    return [{"tier": "disk", **row} for row in rows]
+    return rows
 
 
 def _start_redis(root: Path, size: int, chunks: int) -> tuple[subprocess.Popen, str]:
@@ -239,7 +252,7 @@ def _start_redis(root: Path, size: int, chunks: int) -> tuple[subprocess.Popen, 
     raise RuntimeError(f"redis-server did not start on port {port}")
 
 
-def _redis(args: argparse.Namespace, url: str, payload: bytes, cost: dict[str, float]) -> list[dict]:
+def _redis(args: argparse.Namespace, url: str, payload: bytes, cost: dict[str, float], report: Report) -> list[dict]:
     n, size, reps, tag = args.chunks, len(payload), range(args.reps + 1), uuid.uuid4().hex[:8]
     tier = RedisTier(url, NS, timeout_s=args.redis_timeout, prefix=f"kvdepot-bench-{tag}")
     raw = redis.Redis.from_url(url, socket_timeout=args.redis_timeout, socket_connect_timeout=args.redis_timeout,
@@ -253,14 +266,20 @@ def _redis(args: argparse.Namespace, url: str, payload: bytes, cost: dict[str, f
         ("get / GET", lambda r, i: _check(tier.get(keys[r][i]) is not None, f"redis get missed {hint}"),
          lambda r, i: _check(len(raw.get(names[r][i]) or b"") == size, "GET missed"), cost["xxh3"] + cost["fresh"]),
     ]
-    rows = _compare(args, size, ops, lambda rep: None, lambda rep: raw.delete(*names[rep], *map(tier.redis_key, keys[rep])),
-                    O_DIRECT=None, fsync=None, reads="redis-server memory")
-    tier.close()
-    raw.close()
-    return [{"tier": "redis", **row} for row in rows]
+    try:
+        rows = _compare(args, size, ops, lambda rep: None, lambda rep: raw.delete(*names[rep], *map(tier.redis_key, keys[rep])),
+                        report, O_DIRECT=None, fsync=None, reads="redis-server memory")
+    finally:  # a failed run leaves nothing in the user's Redis either
+        raw.delete(*(n for rep in reps for n in names[rep]), *(tier.redis_key(k) for rep in reps for k in keys[rep]))
+        tier.close()
+        raw.close()
+    return [report.add({"tier": "redis", **row}) for row in rows]
 
 
-def _ttft(args: argparse.Namespace, disk_dir: Path, url: str | None) -> list[dict]:
+def _ttft(args: argparse.Namespace, disk_dir: Path, url: str | None, report: Report) -> list[dict]:
+    """Each phase's row is added as soon as the phase ends. Every prompt's chunks are deleted from
+    Redis at the end (a ``--remote-url`` is the user's server): the keys are recomputed by the
+    last engine, which has the same model, salt and namespace as the one that stored them."""
     from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorScheduler as Sched
     from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorWorker as Worker
     from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
@@ -269,6 +288,7 @@ def _ttft(args: argparse.Namespace, disk_dir: Path, url: str | None) -> list[dic
     saved, threads = {k: v for k, v in os.environ.items() if k.startswith("KVDEPOT_")}, torch.get_num_threads()
     salt = f"bench-tiers-{uuid.uuid4().hex}"  # never hit what an earlier run left on disk or in Redis
     llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=args.prompt_tokens + 64))
+    made: list[list[int]] = []  # every prompt served: their chunks are what the engines stored
 
     def set_env(env: dict[str, str | None]) -> None:
         for k in [k for k in os.environ if k.startswith("KVDEPOT_")]:
@@ -277,7 +297,8 @@ def _ttft(args: argparse.Namespace, disk_dir: Path, url: str | None) -> list[dic
 
     def prompt(n: int, seed: int) -> list[int]:
         rng = random.Random(seed)
-        return [rng.randrange(512) for _ in range(n)]  # 512: the smallest preset's vocabulary
+        made.append([rng.randrange(512) for _ in range(n)])  # 512: the smallest preset's vocabulary
+        return made[-1]
 
     def engine(disk: Path | None = None, remote: str | None = None) -> Engine:
         destroy_engine()  # closes the previous engine, draining its write-behind to disk/Redis
@@ -289,26 +310,52 @@ def _ttft(args: argparse.Namespace, disk_dir: Path, url: str | None) -> list[dic
 
     prompts = [prompt(args.prompt_tokens, 1000 + i) for i in range(args.prompts)]
     phases: dict[str, list] = {}
+    rows: list[dict] = []
+
+    def phase(name: str, eng: Engine) -> None:
+        with report.step(f"TTFT: {name}"):
+            phases[name] = [eng.generate([p], 1)[0] for p in prompts]
+        rows.append(report.add(_ttft_row(name, phases[name], phases["recompute"])))
+
     torch.set_num_threads(args.threads or threads)
+    stored_by: list = []  # the engine that writes to Redis (its hasher and Redis key prefix)
     try:
         eng = engine(disk_dir, url)  # stores to host memory, disk and Redis
-        phases["recompute"] = [eng.generate([p], 1)[0] for p in prompts]
+        stored_by.append(current_engine())
+        phase("recompute", eng)
         eng.generate([prompt(eng.num_blocks * eng.tokens_per_block - 1, 99)], 1)  # evicts them from the pool
         current_engine().lower.flush()  # write-behind done: the host hits do not share the CPU with it
-        phases["host-memory hit"] = [eng.generate([p], 1)[0] for p in prompts]
+        phase("host-memory hit", eng)
         for name, where in (("disk hit", {"disk": disk_dir}), ("redis hit", {"remote": url})):
             eng = engine(**where)  # fresh: empty host tier, one lower tier
-            phases[name] = [eng.generate([p], 1)[0] for p in prompts]
+            phase(name, eng)
     finally:
-        destroy_engine()
+        destroy_engine()  # drains the write-behind: nothing lands after the delete
+        if url is not None and stored_by:
+            _delete_from_redis(url, made, stored_by[0], args)
         set_env(saved)
         torch.set_num_threads(threads)
-    base, rows = statistics.median(r.ttft_s * 1e3 for r in phases["recompute"]), []
-    for name, res in phases.items():
-        ms, loaded = [r.ttft_s * 1e3 for r in res], [(r.num_device_reused_tokens, r.num_connector_matched_tokens) for r in res]
-        _check(name == "recompute" or all(dev == 0 and kv for dev, kv in loaded), f"{name} not served by kvdepot: {loaded}")
-        rows.append({"phase": name, "TTFT ms (median)": statistics.median(ms), "min": min(ms), "max": max(ms),
-                     "speed-up": base / statistics.median(ms), "tokens loaded": min(kv for _, kv in loaded),
-                     "async load": None if name == "recompute" else all(r.connector_async_load for r in res),
-                     "tokens==recompute": all(r.output_ids == c.output_ids for r, c in zip(res, phases["recompute"], strict=True))})
     return rows
+
+
+def _ttft_row(name: str, res: list, recompute: list) -> dict:
+    ms, loaded = [r.ttft_s * 1e3 for r in res], [(r.num_device_reused_tokens, r.num_connector_matched_tokens) for r in res]
+    _check(name == "recompute" or all(dev == 0 and kv for dev, kv in loaded), f"{name} not served by kvdepot: {loaded}")
+    base = statistics.median(r.ttft_s * 1e3 for r in recompute)
+    return {"phase": name, "TTFT ms (median)": statistics.median(ms), "min": min(ms), "max": max(ms),
+            "speed-up": base / statistics.median(ms), "tokens loaded": min(kv for _, kv in loaded),
+            "async load": None if name == "recompute" else all(r.connector_async_load for r in res),
+            "tokens==recompute": all(r.output_ids == c.output_ids for r, c in zip(res, recompute, strict=True))}
+
+
+def _delete_from_redis(url: str, prompts: list[list[int]], depot: Any, args: argparse.Namespace) -> int:
+    """Delete the chunks of ``prompts`` that ``depot`` (a closed CacheEngine) stored in Redis."""
+    tiers = [t for t in (depot.lower.tiers if depot.lower is not None else []) if isinstance(t, RedisTier)]
+    if not tiers:
+        return 0
+    names = [tiers[0].redis_key(k) for p in prompts for k in depot.chunk_keys(p)]
+    client = redis.Redis.from_url(url, socket_timeout=args.redis_timeout, socket_connect_timeout=args.redis_timeout)
+    try:
+        return sum(int(client.delete(*names[i:i + 512])) for i in range(0, len(names), 512))
+    finally:
+        client.close()

@@ -18,20 +18,21 @@ from kvdepot.bench.common import (
     device_name,
     gpu_timeline,
     paired_seconds,
-    print_table,
 )
+from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 from kvdepot.transfer import MOVERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--tokens-per-block", type=int, default=32)
-    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the engine's pool lives: cuda (default when available) or cpu (host memcpy only)")
+    parser.add_argument("--layers", type=int, default=32, help="layers of the pool (Llama-3-8B: 32)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer (Llama-3-8B: 8)")
+    parser.add_argument("--head-dim", type=int, default=128, help="elements per head (Llama-3-8B: 128)")
+    parser.add_argument("--tokens-per-block", type=int, default=32, help="tokens per pool block (TensorRT-LLM's default: 32)")
+    parser.add_argument("--chunk-size", type=int, default=256, help="tokens per kvdepot chunk (a multiple of --tokens-per-block)")
     parser.add_argument("--tokens", type=int, default=None,
                         help="tokens moved per operation, the same prefix for every shape (default: 8192 on CUDA, 1024 on CPU)")
     parser.add_argument("--blocks", type=int, default=None, help="blocks moved per operation (overrides --tokens)")
@@ -39,16 +40,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mover", choices=sorted(MOVERS) + ["all"], default="all", help="transfer path(s) to measure")
     parser.add_argument("--timeline", action="store_true",
                         help="also attribute one store and one retrieve: CPU lead-in, copy-engine busy time, gaps (CUDA)")
+    add_output_arguments(parser)
+
+
+STEPS_CUDA, STEPS_CPU = 7, 4  # measurements per mover (the bar's steps)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    device = torch.device(args.device)
     names = sorted(MOVERS) if args.mover == "all" else [args.mover]
-    rows = [row for name in names for row in _run_one(args, name)]
-    print_table(f"kvdepot bench transfer — {device_name(torch.device(args.device))}", rows)
-    return rows
+    report = Report(args, steps=len(names) * (STEPS_CUDA if device.type == "cuda" else STEPS_CPU), device=device,
+                    bars=Bars(("mover", "op"), ("GB/s", "memcpy GB/s"), "GB/s"), name="bench transfer")
+    if device.type != "cuda":
+        report.note("(CPU: the both-directions rows and the compute-share row need two copy engines and SMs; not measured)")
+    report.table(f"kvdepot bench transfer — {device_name(device)}", op=22)
+    timelines = [(name, _run_one(args, name, report)) for name in names]
+    if any(t for _, t in timelines):
+        report.table("timeline of one call (ms; --timeline)", op=8)
+        for name, timeline in timelines:
+            for op, parts in timeline.items():
+                report.add({"mover": name, "op": op, **parts})
+    return report.finish()
 
 
-def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
+def _run_one(args: argparse.Namespace, mover: str, report: Report) -> dict[str, dict[str, float]]:
+    """Measure one mover, adding each row to ``report`` as soon as it is measured; returns the
+    ``--timeline`` attribution (empty without it)."""
     device = torch.device(args.device)
     chunk_blocks = args.chunk_size // args.tokens_per_block
     tokens = getattr(args, "tokens", None) or (8192 if device.type == "cuda" else 1024)
@@ -86,16 +103,31 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
             if handle.chunks != len(keys):  # a dropped store would time as infinitely fast
                 raise RuntimeError(f"store placed {handle.chunks} of {len(keys)} chunks")
 
-    for _ in range(4):  # fill the arena once over
-        store()
+    shape = f"L{args.layers} H{args.kv_heads} D{args.head_dim} tpb{args.tokens_per_block}"
+    common = {"mover": mover, "shape": shape, "block MiB": block_bytes / 2**20, "blocks": moved, "pinned": engine.host.pin_memory}
+
+    def add(op: str, moved_bytes: int, op_s: float, copy_s: float, ratio: float) -> None:
+        report.add({**common, "op": op, "GB/s": moved_bytes / op_s / 1e9, "memcpy GB/s": moved_bytes / copy_s / 1e9,
+                    "ratio": ratio})
+
+    with report.step(f"{mover}: fill the arena"):
+        for _ in range(4):  # fill the arena once over
+            store()
     copies = Memcpy(nbytes, device)  # each timed operation is paired with a plain copy of its bytes
-    store_s, d2h_s, store_ratio = paired_seconds(store, copies.d2h, device, args.reps, warmup=0)
+    with report.step(f"{mover}: store"):
+        store_s, d2h_s, store_ratio = paired_seconds(store, copies.d2h, device, args.reps, warmup=0)
+    add("store", nbytes, store_s, d2h_s, store_ratio)
     # Two stores in flight at once (a step that stores two requests): throughput rather than the
     # latency of one, which includes the hand-off to the engine's issuer thread.
-    two_s, two_d2h_s, two_ratio = paired_seconds(lambda: store(2), lambda: (copies.d2h(), copies.d2h()),
-                                                 device, args.reps, warmup=0)
+    with report.step(f"{mover}: 2 stores at once"):
+        two_s, two_d2h_s, two_ratio = paired_seconds(lambda: store(2), lambda: (copies.d2h(), copies.d2h()),
+                                                     device, args.reps, warmup=0)
+    add("2 stores at once", 2 * nbytes, two_s, two_d2h_s, two_ratio)
     # What one store costs a matmul running beside it (kernels occupy SMs; copy engines none).
-    share = compute_share(store, store_s, device) if device.type == "cuda" else float("nan")
+    share = None
+    if device.type == "cuda":
+        with report.step(f"{mover}: compute beside a store"):
+            share = compute_share(store, store_s, device)
     held = fresh_keys()
     engine.store(held, ids()).wait()
 
@@ -108,7 +140,9 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
         engine.lookup(held)
         load_held(batches[-1][1])
 
-    load_s, h2d_s, load_ratio = paired_seconds(retrieve, copies.h2d, device, args.reps)
+    with report.step(f"{mover}: retrieve"):
+        load_s, h2d_s, load_ratio = paired_seconds(retrieve, copies.h2d, device, args.reps)
+    add("retrieve", nbytes, load_s, h2d_s, load_ratio)
 
     def both(pairs: int = 1) -> None:
         """``pairs`` stores, then as many loads, in flight together on the engine's two streams.
@@ -124,29 +158,21 @@ def _run_one(args: argparse.Namespace, mover: str) -> list[dict]:
         for handle in handles:
             handle.wait()
 
-    nan = (float("nan"),) * 3
-    both_s, bidir_s, both_ratio = paired_seconds(both, copies.both, device, args.reps) if copies.both else nan
-    both2_s, bidir2_s, both2_ratio = (paired_seconds(lambda: both(2), lambda: (copies.both(), copies.both()),
-                                                     device, args.reps) if copies.both else nan)
+    if copies.both is not None:  # CUDA: two copy engines
+        both_copy = copies.both
+        with report.step(f"{mover}: both at once"):
+            both_s, bidir_s, both_ratio = paired_seconds(both, both_copy, device, args.reps)
+        add("both at once", 2 * nbytes, both_s, bidir_s, both_ratio)
+        with report.step(f"{mover}: both, 2 each in flight"):
+            both2_s, bidir2_s, both2_ratio = paired_seconds(lambda: both(2), lambda: (both_copy(), both_copy()),
+                                                            device, args.reps)
+        add("both, 2 each in flight", 4 * nbytes, both2_s, bidir2_s, both2_ratio)
+    if share is not None:
+        # ratio here: matmul throughput beside a store over alone (1.0 = the store costs compute nothing)
+        report.add({**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share})
     timeline = {}
     if getattr(args, "timeline", False) and device.type == "cuda":
         timeline = {"retrieve": gpu_timeline(retrieve), "store": gpu_timeline(store)}  # a store evicts
     engine.wait_all()
     engine.close()
-    shape = f"L{args.layers} H{args.kv_heads} D{args.head_dim} tpb{args.tokens_per_block}"
-    common = {"mover": mover, "shape": shape, "block MiB": block_bytes / 2**20, "blocks": moved, "pinned": engine.host.pin_memory}
-    rows = [
-        {**common, "op": "store", "GB/s": nbytes / store_s / 1e9, "memcpy GB/s": nbytes / d2h_s / 1e9, "ratio": store_ratio},
-        {**common, "op": "2 stores at once", "GB/s": 2 * nbytes / two_s / 1e9, "memcpy GB/s": 2 * nbytes / two_d2h_s / 1e9,
-         "ratio": two_ratio},
-        {**common, "op": "retrieve", "GB/s": nbytes / load_s / 1e9, "memcpy GB/s": nbytes / h2d_s / 1e9, "ratio": load_ratio},
-        {**common, "op": "both at once", "GB/s": 2 * nbytes / both_s / 1e9, "memcpy GB/s": 2 * nbytes / bidir_s / 1e9,
-         "ratio": both_ratio},
-        {**common, "op": "both, 2 each in flight", "GB/s": 4 * nbytes / both2_s / 1e9,
-         "memcpy GB/s": 4 * nbytes / bidir2_s / 1e9, "ratio": both2_ratio},
-        # ratio here: matmul throughput beside a store over alone (1.0 = the store costs compute nothing)
-        {**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share},
-    ]
-    for row in rows:
-        row.update(timeline.get(row["op"], {}))
-    return rows
+    return timeline

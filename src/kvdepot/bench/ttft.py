@@ -27,34 +27,41 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
 import torch
 
-from kvdepot.bench.common import device_name, memcpy_ceiling, print_table
+from kvdepot.bench.common import device_name, memcpy_ceiling
+from kvdepot.bench.report import Report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     cuda = torch.cuda.is_available()
-    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--device", default="cuda" if cuda else "cpu", help="cuda (default when available) or cpu")
     parser.add_argument("--model", default="llama-8b" if cuda else "small", type=_model_arg,
-                        help="runtime preset (" + ", ".join(_preset_names()) + ") or a Llama checkpoint dir")
-    parser.add_argument("--lengths", default="4096,16384,32768" if cuda else "1024,2048", help="prompt lengths")
+                        help="runtime preset (" + ", ".join(_preset_names()) + ") or a Llama checkpoint dir; "
+                             "random weights for presets")
+    parser.add_argument("--lengths", default="4096,16384,32768" if cuda else "1024,2048", help="comma-separated prompt lengths")
     parser.add_argument("--miss-prompts", type=int, default=8,
                         help="distinct prompts in the 0%%-reuse run (each served with and without the connector)")
-    parser.add_argument("--miss-length", type=int, default=4096 if cuda else 512)
+    parser.add_argument("--miss-length", type=int, default=4096 if cuda else 512, help="prompt length of the 0%%-reuse run")
     parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens in the 0%%-reuse run")
     parser.add_argument("--suffix", type=int, default=1024 if cuda else 64, help="new tokens after the cached prefix in the partial-hit rows")
     parser.add_argument("--modes", default="in-process,whole,mp" if cuda else "in-process",
                         help="connector modes for the hit rows: " + ", ".join(MODES))
-    parser.add_argument("--plot", default=None, help="write a PNG of TTFT vs prompt length here")
-    parser.add_argument("--json", default=None, help="write the rows as JSON here")
+    parser.add_argument("--layers-ahead", default=None, metavar="N[,N...]",
+                        help="layered loads: enqueue each layer's copies N layers ahead of the forward (default: the "
+                             "engine's); several values are measured alternately in one process, --rounds times")
+    parser.add_argument("--rounds", type=int, default=1, help="with several --layers-ahead values: rounds over them")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of TTFT vs prompt length here "
+                        "(needs matplotlib: pip install 'kvdepot[bench]')")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here")
 
 
 MODES = ("in-process", "whole", "mp")  # whole: in-process, loads by layer off (KVDEPOT_LOAD_BY_LAYER)
@@ -113,14 +120,20 @@ def _teardown() -> None:
     destroy_engine()  # in either mode (and the server connections)
 
 
-def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None = None) -> list[dict]:
-    """The hit rows of one mode; ``whole`` is in-process with loads by layer off (the engine
-    reads its config from the environment when the connector creates it)."""
-    with mock.patch.dict(os.environ, {"KVDEPOT_LOAD_BY_LAYER": "off"} if mode == "whole" else {}):
-        return _hit_rows(args, lengths, h2d, mode, server_url)
+def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None = None,
+          add: Callable[[dict], object] = lambda row: row, layers_ahead: int | None = None) -> list[dict]:
+    """The hit rows of one mode, each passed to ``add`` as soon as it is measured; ``whole`` is
+    in-process with loads by layer off, ``layers_ahead`` sets config ``load_layers_ahead`` (the
+    engine reads its config from the environment when the connector creates it)."""
+    env = {"KVDEPOT_LOAD_BY_LAYER": "off"} if mode == "whole" else {}
+    if layers_ahead is not None:
+        env["KVDEPOT_LOAD_LAYERS_AHEAD"] = str(layers_ahead)
+    with mock.patch.dict(os.environ, env):
+        return _hit_rows(args, lengths, h2d, mode, server_url, add)
 
 
-def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None) -> list[dict]:
+def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None,
+              add: Callable[[dict], object]) -> list[dict]:
     _teardown()
     pool = max(lengths) + args.suffix + 64
     eng = _engine(args, pool, connected=True, server_url=server_url)
@@ -172,6 +185,7 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
             "suffix only ms": floor.ttft_s * 1e3,
             "partial/(suffix+load)": partial.ttft_s / (floor.ttft_s + n * kv_per_token / (h2d * 1e9)),
         })
+        add(rows[-1])
     if server_url is None:
         from kvdepot.integrations.tensorrt_llm.providers import current_engine
 
@@ -332,30 +346,46 @@ def _plot(rows: list[dict], path: str, title: str) -> None:
 def run(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     lengths = [int(x) for x in args.lengths.split(",")]
-    h2d, d2h, _both = memcpy_ceiling(256 << 20, device, 5)
-    title = f"kvdepot bench ttft — {args.model} on {device_name(device)}, memcpy H2D {h2d:.1f} GB/s D2H {d2h:.1f} GB/s"
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"--modes: unknown {sorted(unknown)}; allowed: {', '.join(MODES)}")
-    hits = [row for mode in ("in-process", "whole") if mode in modes for row in _hits(args, lengths, h2d, mode)]
+    aheads = [int(x) for x in args.layers_ahead.split(",")] if getattr(args, "layers_ahead", None) else [None]
+    rounds = max(1, getattr(args, "rounds", 1)) if len(aheads) > 1 else 1
+    local = [m for m in ("in-process", "whole") if m in modes]
+    report = Report(args, steps=1 + rounds * len(aheads) * len(local) + ("mp" in modes) + 1, device=device, name="bench ttft")
+    with report.step("memcpy ceiling"):
+        h2d, d2h, _both = memcpy_ceiling(256 << 20, device, 5)
+    title = f"kvdepot bench ttft — {args.model} on {device_name(device)}, memcpy H2D {h2d:.1f} GB/s D2H {d2h:.1f} GB/s"
+    report.table(title, mode=10)
+
+    def add(ahead: int | None) -> Callable[[dict], object]:
+        return lambda row: report.add(row if ahead is None else {"layers ahead": ahead, **row})
+
+    hits = []
+    for _ in range(rounds):  # several --layers-ahead values alternate, so a drift hits them all alike
+        for ahead in aheads:
+            for mode in local:
+                with report.step(f"hits: {mode}" + (f", {ahead} layers ahead" if ahead is not None else "")):
+                    hits += _hits(args, lengths, h2d, mode, add=add(ahead), layers_ahead=ahead)
     if "mp" in modes:
         from kvdepot.bench.server_proc import running_server
 
         # The server holds the host tier: room for a prompt and its filler (a hit must survive the
         # filler's store), and little more, so the arena is pinned in the background before the hits.
         kv_gb = 2.5 * max(lengths) * _kv_bytes_per_token(args) / 1e9
-        with running_server("--chunk-size", "256", "--host-capacity-gb", f"{max(kv_gb, 0.05):.3f}") as url:
-            hits += _hits(args, lengths, h2d, "mp", server_url=url)
+        with report.step("hits: mp"), running_server("--chunk-size", "256", "--host-capacity-gb",
+                                                     f"{max(kv_gb, 0.05):.3f}") as url:
+            hits += _hits(args, lengths, h2d, "mp", server_url=url, add=add(None))
             from kvdepot.server.stats_cmd import print_stats
 
             print_stats(url)  # the server's tier counters after the MP rows (drops, evictions, pins)
-    print_table(title, hits)
-    misses = _misses(args)
-    print_table(f"0% reuse: {args.miss_prompts} distinct prompts of {args.miss_length} tokens, {args.decode_tokens} new tokens each", misses)
+    report.table(f"0% reuse: {args.miss_prompts} distinct prompts of {args.miss_length} tokens, "
+                 f"{args.decode_tokens} new tokens each")
+    with report.step("0% reuse"):
+        misses = [report.add(row) for row in _misses(args)]
     if args.plot:
         _plot(hits, args.plot, title)
-    result = {"title": title, "hits": hits, "misses": misses}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return result
+    report.args = argparse.Namespace(json=args.json)  # the plot above is this bench's own (TTFT vs length)
+    report.finish({"title": title, "hits": hits, "misses": misses})
+    return {"title": title, "hits": hits, "misses": misses}

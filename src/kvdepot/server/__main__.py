@@ -46,7 +46,7 @@ Stop it with Ctrl-C or SIGTERM: sessions are closed and the socket file is remov
 _SERVER_KNOBS = {  # server settings that are not (yet) config keys: name -> (type, default, help)
     "session_timeout_s": (float, 30.0, "close a client's session (leases, mapped pool) after this many "
                                        "seconds without a message; clients PING every second"),
-    "metrics_port": (int, 0, "serve Prometheus metrics on 127.0.0.1:PORT (0 = off)"),
+    "metrics_port": (int, 0, "serve Prometheus metrics on --metrics-host:PORT (0 = off)"),
     "workers": (int, 4, "handler threads (copies, lookups)"),
     "max_frame_mb": (int, 4096, "largest message frame accepted, in MiB (bigger ones drop the connection)"),
 }
@@ -104,8 +104,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         url = args.url or (tcp_url(args.tcp) if args.tcp else None) or config.server_url or default_url()
         knobs = {name: _knob(args, config, name) for name in _SERVER_KNOBS}
         check_settings(config)  # an unusable disk_path, chunk_size or remote_url: refused now, not per REGISTER
-        logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        logging.getLogger("kvdepot").setLevel(config.log_level)
+        level = config.log_level or "INFO"  # the server is the application: its own default
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.getLogger("kvdepot").setLevel(level)
         server = DepotServer(url, config, workers=int(knobs["workers"]), session_timeout_s=float(knobs["session_timeout_s"]),
                              max_frame_bytes=int(knobs["max_frame_mb"]) << 20, metrics_port=int(knobs["metrics_port"]), insecure=args.insecure)
         server.serve_forever(ready=lambda: print(

@@ -100,7 +100,7 @@ class DepotServer:
     def start(self) -> DepotServer:
         if self.metrics_port:  # first: a taken port fails before anything else is held
             try:
-                self._stop_metrics = start_metrics(self.service.snapshot, self.metrics_port)
+                self._stop_metrics = start_metrics(self.service.snapshot, self.metrics_port, self.config.metrics_host)
             except OSError as exc:
                 raise KVDepotError(f"cannot serve metrics on port {self.metrics_port} (--metrics-port): "
                                    f"{exc.strerror or exc}") from None

@@ -3,7 +3,7 @@
 torch has no batched copy: every ``copy_`` is its own driver call (~7 us of host time on the
 H200's host), which is what made one DMA per block slow to issue. The driver's batch entry point
 takes arrays of addresses and sizes and runs them on the copy engines in stream order. Measured on
-the H200 (``tools/uva_probe.py --batch``, one plain pinned copy of the same bytes as the ceiling):
+the H200 (the retired ``tools/uva_probe.py --batch``, perf-notes run O; one plain pinned copy of the same bytes as the ceiling):
 one call of 256 copies of 4 MiB reached 0.98 in either direction and 0.96 both at once; 1 MiB
 copies 0.95 and 0.89; 256 KiB copies 0.82 and 0.69 (small copies still cost the engines per copy).
 

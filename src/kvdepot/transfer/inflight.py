@@ -12,7 +12,7 @@ engine's, which guards the host tier). ``poll_locked`` expects it held; the othe
 A CUDA *store* is issued by one background thread (in order): the caller's stream gets an event
 at ``run`` and the issuer makes the store's stream wait for it, so the store still reads exactly
 what the caller's stream wrote before the call. Issuing a store's copies is host work of ~3.5 ms
-per GiB (``tools/transfer_anatomy.py``, H200 host); done by the caller, it kept the engine's step
+per GiB (the retired ``tools/transfer_anatomy.py``, perf-notes run J; H200 host); done by the caller, it kept the engine's step
 loop busy and held back a load issued right after it (the next step's), which started its copies
 only once the store's were all issued. A *load* is issued by the caller: its caller's stream must
 wait for it, and that wait has to be enqueued before ``run`` returns. A *layered* load is issued
@@ -65,8 +65,9 @@ class _Transfer:
 class InflightTransfers:
     """The engine's side streams, its store issuer and its FIFO of transfers, oldest first."""
 
-    def __init__(self, lock: AbstractContextManager[Any]) -> None:
+    def __init__(self, lock: AbstractContextManager[Any], layers_ahead: int = LAYERS_AHEAD) -> None:
         self._lock = lock  # the owner's: guards the FIFO and what the callbacks touch
+        self.layers_ahead = layers_ahead  # config load_layers_ahead
         self.streams: tuple[Any, ...] | None = None  # None: CPU pool, copies run inline
         self.inflight: deque[_Transfer] = deque()
         self._tokens = itertools.count(1)
@@ -135,7 +136,7 @@ class InflightTransfers:
                       stream: Any) -> LayeredLoad:
         """A CUDA load of ``num_layers`` layers, ordered after ``stream``'s work so far, whose
         layers are enqueued as the answer is waited on (``layers``: each ``next()`` enqueues the
-        next one on the current stream); the first ``LAYERS_AHEAD`` are enqueued now, so that a
+        next one on the current stream); the first ``layers_ahead`` are enqueued now, so that a
         failure to enqueue at all reaches the caller. ``stream`` is not made to wait."""
         assert self.streams is not None
         caller = stream if stream is not None else torch.cuda.current_stream(self.streams[0].device)
@@ -159,10 +160,10 @@ class InflightTransfers:
                 self._layered.discard(load)
             transfer.issued.set()
 
-        load = LayeredLoad(iter(layers), events, side, issued)
+        load = LayeredLoad(iter(layers), events, side, issued, self.layers_ahead)
         with self._lock:
             self._layered.add(load)
-        load.issue_through(LAYERS_AHEAD)
+        load.issue_through(self.layers_ahead)
         return load
 
     def _finish_layered(self) -> None:

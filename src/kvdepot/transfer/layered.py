@@ -73,11 +73,13 @@ class LayeredLoad(LayerWaits):
     """Layer ``l`` readable once ``events[l]`` has passed; copies enqueued lazily on ``side``."""
 
     def __init__(self, layers: Iterator[int], events: list[Any], side: Any,
-                 on_issued: Callable[[BaseException | None], None]) -> None:
+                 on_issued: Callable[[BaseException | None], None], ahead: int = LAYERS_AHEAD) -> None:
         """``layers``: each ``next()`` enqueues the next layer on the current stream (the mover's
         ``scatter_layers``). ``on_issued(None)`` once every layer is enqueued, ``on_issued(error)``
-        if one could not be."""
+        if one could not be. ``ahead``: layers enqueued past the one waited for (config
+        ``load_layers_ahead``)."""
         super().__init__(len(events))
+        self.ahead = ahead
         self.events = events
         self.issued = 0  # layers 0..issued-1 are enqueued and their events recorded
         self._layers, self._side, self._on_issued = layers, side, on_issued
@@ -108,7 +110,7 @@ class LayeredLoad(LayerWaits):
                 self._on_issued(None)
 
     def _wait(self, layer: int, stream: Any) -> None:
-        self.issue_through(layer + 1 + LAYERS_AHEAD)
+        self.issue_through(layer + 1 + self.ahead)
         stream.wait_event(self.events[layer])
 
     def finish(self) -> None:

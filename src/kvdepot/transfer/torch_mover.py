@@ -7,7 +7,7 @@ on CPU and measured 6x slower than per-run memcpy.) TensorRT-LLM blocks are mult
 across layers, so a copy per run is already near the DMA ceiling for large models; small
 blocks are where the staged mover's gather kernel pays.
 
-Copies are issued one by one from Python (7.3 us each on the H200's host, ``tools/issue_cost.py``),
+Copies are issued one by one from Python (7.3 us each on the H200's host, perf-notes run F),
 so the first copy starts at once and the rest are issued while the DMA runs. Batching them into
 one ``torch._foreach_copy_`` saved only 1.2 us per copy but started the first copy after all were
 prepared: the 4 MiB-block store fell from 0.947 to 0.905 of memcpy (perf-notes, run F).

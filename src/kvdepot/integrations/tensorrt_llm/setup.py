@@ -47,7 +47,8 @@ def depot_config(llm_args: Any) -> DepotConfig:
     config = load_config()
     if not config.model_id:
         config = load_config(model_id=str(getattr(llm_args, "model", "") or ""))
-    logger.setLevel(config.log_level)
+    if config.log_level:  # unset: the application's logging settings stand
+        logger.setLevel(config.log_level)
     return config
 
 

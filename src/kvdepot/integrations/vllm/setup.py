@@ -64,7 +64,8 @@ def depot_config(vllm_config: VllmConfig, extra: dict[str, Any]) -> DepotConfig:
     if not config.model_id:
         model = getattr(getattr(vllm_config, "model_config", None), "model", "") or ""
         config = load_config(**overrides, model_id=str(model))
-    logger.setLevel(config.log_level)
+    if config.log_level:  # unset: the application's logging settings stand
+        logger.setLevel(config.log_level)
     return config
 
 

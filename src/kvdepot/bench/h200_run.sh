@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
-# then the benchmarks. Usage (device tool, carry .whl): bash tools/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp tiers pieces anatomy uva hybrid batch movers (default: tests transfer demo ttft mp). Output lands in $OUT.
+# then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp tiers pieces anatomy layers bookkeeping movers
+# (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
+# Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
+# (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -40,18 +43,14 @@ for step in $steps; do
               python3 -c "import sys; from kvdepot.storage import disk; disk.READ_PIECE = $mib << 20
 from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --disk-path /tmp/kvd-disk --reps 5
             done 2>&1 | tee "$OUT/pieces.txt" ;;
-    anatomy) { python3 tools/transfer_anatomy.py --trace "$OUT/trace_8b_staged.json"
-               python3 tools/transfer_anatomy.py --mover runs
-               python3 tools/transfer_anatomy.py --layers 16 --head-dim 64 --tokens-per-block 8 --profile --trace "$OUT/trace_1b_staged.json"
+    anatomy) { python3 -m kvdepot.cli bench transfer --mover staged --timeline
+               python3 -m kvdepot.cli bench transfer --mover runs --timeline
+               python3 -m kvdepot.cli bench transfer --layers 16 --head-dim 64 --tokens-per-block 8 --mover staged --timeline
              } 2>&1 | tee "$OUT/anatomy.txt" ;;
-    uva) { python3 tools/uva_probe.py --layers 16 --head-dim 64 --tokens-per-block 8
-           python3 tools/uva_probe.py
-           python3 tools/uva_probe.py --layers 16 --head-dim 64 --tokens-per-block 32
-         } 2>&1 | tee "$OUT/uva.txt" ;;
-    batch) for shape in ${BATCH_SHAPES:-"--layers 16 --head-dim 64 --tokens-per-block 8" "--layers 16 --head-dim 64 --tokens-per-block 32" "" "--tokens-per-block 8"}; do
-             python3 tools/uva_probe.py $shape --batch; done 2>&1 | tee "$OUT/batch.txt" ;;
-    hybrid) { python3 tools/uva_probe.py --layers 16 --head-dim 64 --tokens-per-block 8 --hybrid
-              python3 tools/uva_probe.py --hybrid
-            } 2>&1 | tee "$OUT/hybrid.txt" ;;
+    layers) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes in-process --lengths ${TTFT_LENGTHS:-4096,32768} \
+              --layers-ahead ${LAYERS_AHEAD:-4,64} --rounds 2 --json "$OUT/layers.json" 2>&1 | tee "$OUT/layers.txt" ;;
+    bookkeeping) python3 -m kvdepot.cli bench bookkeeping 2>&1 | tee "$OUT/bookkeeping.txt" ;;
+    uva|hybrid|batch) echo "step $step was retired with tools/uva_probe.py (issue 15): see docs/perf-notes.md" ;;
+    *) echo "unknown step $step" ;;
   esac
 done

