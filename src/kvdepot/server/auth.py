@@ -139,3 +139,10 @@ def _load(path: Path) -> tuple[bytes, bytes | None]:
         return zmq.auth.load_certificate(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"server_curve_dir: cannot load the key in {path}: {exc} ({_HOW})") from None
+
+
+def config_curve_dir() -> str | None:
+    """``server_curve_dir`` from kvdepot's config (file and environment): a client's default."""
+    from kvdepot.config import load_config
+
+    return load_config().server_curve_dir

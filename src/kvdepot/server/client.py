@@ -52,7 +52,7 @@ import zmq
 from kvdepot.errors import KVDepotError
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
-from kvdepot.server.auth import client_curve
+from kvdepot.server.auth import client_curve, config_curve_dir
 from kvdepot.server.calls import Call, Reply, ServerError, ServerUnavailable
 from kvdepot.server.frames import readable, recv_frames, send_frames
 from kvdepot.server.paths import check_url, default_url
@@ -83,7 +83,7 @@ class DepotClient:
                  curve_dir: str | None = None) -> None:
         self.url = check_url(url or default_url())
         # tcp:// with server_curve_dir (this argument, else the config): CURVE, as the server wants
-        self._curve = client_curve(self.url, curve_dir or (_config_curve_dir() if self.url.startswith("tcp://") else None))
+        self._curve = client_curve(self.url, curve_dir or (config_curve_dir() if self.url.startswith("tcp://") else None))
         self.timeout_s, self.heartbeat_s, self.name = timeout_s, heartbeat_s, name
         self.session_id, self.server_id = 0, 0
         self._ctx = zmq.Context()
@@ -395,9 +395,3 @@ class DepotClient:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._ctx.term()
-
-
-def _config_curve_dir() -> str | None:
-    from kvdepot.config import load_config
-
-    return load_config().server_curve_dir

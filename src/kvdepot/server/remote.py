@@ -45,14 +45,10 @@ have stopped waiting for.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -65,56 +61,14 @@ from kvdepot.layout import PoolLayout
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
 from kvdepot.server.client import DepotClient, ServerError, ServerUnavailable
+from kvdepot.server.copies import AnyLease, CopyHandle, on_stream, wire_lease
 from kvdepot.server.ipc import ExportedPool, export_pool, frame_tensor
+from kvdepot.server.recent_prompts import RecentPrompts
 from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
 
-_RECENT_PROMPTS = 1024  # prompts whose tokens a KV-event server may still be sent
-
 REGISTER_TIMEOUT_S = 60.0
-AnyLease = Lease | int | tuple[int, int] | tuple[int, int, bytes]  # the older forms go once the connectors pass ``Lease``
-
-
-class _Handle:
-    """A copy in flight: ``done()`` once the server answered (or the call failed)."""
-
-    def __init__(self, future: Future | None, finish: Callable[[Any], int] | None = None, fallback: int = 0) -> None:
-        self._future, self._finish, self._value = future, finish, fallback
-        self._settled = future is None
-        self.layered: LayerWaits | None = None  # a load the server answered by layer: wait on it per layer
-
-    def done(self) -> bool:
-        if self._settled:
-            return True
-        assert self._future is not None
-        if not self._future.done():
-            return False
-        self._settled = True
-        try:
-            result = self._future.result()
-            self._value = self._finish(result) if self._finish else self._value
-        except ServerError as exc:
-            logger.warning("kvdepot: server refused a copy: %s", exc)
-        except KVDepotError:
-            pass  # unavailable: logged once by the client
-        except (IndexError, ValueError, RuntimeError, TypeError) as exc:  # a reply that does not fit
-            logger.warning("kvdepot: copy reply could not be applied: %s", exc)
-        return True
-
-    def wait(self) -> None:
-        if self._future is not None:
-            with contextlib.suppress(KVDepotError):
-                self._future.result()
-        self.done()
-
-    def result(self) -> int:
-        self.wait()
-        return self._value
-
-    @property
-    def chunks(self) -> int:
-        return self._value if self.done() else 0
 
 
 class RemoteEngine:
@@ -146,8 +100,7 @@ class RemoteEngine:
         self.lease_token = b""  # the server's token for this session's leases (from the last LOOKUP)
         # KV events (server with kv_events_endpoint): the tokens of recent prompts, by last key, so
         # a lookup by keys can carry them to the server (docs/events.md).
-        self._recent_tokens: OrderedDict[ChunkKey, Sequence[int]] = OrderedDict()
-        self._recent_lock = threading.Lock()
+        self._recent = RecentPrompts()
         client.on_connect(self._register)
 
     @classmethod
@@ -233,23 +186,16 @@ class RemoteEngine:
         return keys
 
     def describe(self, keys: Sequence[ChunkKey], tokens: Sequence[int]) -> None:
-        """``keys[i]`` holds ``tokens[i*C:(i+1)*C]``: remembered (the last ``_RECENT_PROMPTS``
-        prompts) when the server publishes KV events, so a LOOKUP by ``keys`` carries them."""
-        if keys and self.granted is not None and self.granted.wants_tokens:
-            with self._recent_lock:
-                self._recent_tokens[keys[-1]] = tokens
-                self._recent_tokens.move_to_end(keys[-1])
-                if len(self._recent_tokens) > _RECENT_PROMPTS:
-                    self._recent_tokens.popitem(last=False)
+        """``keys[i]`` holds ``tokens[i*C:(i+1)*C]``: remembered when the server publishes KV
+        events, so a LOOKUP by ``keys`` carries them (``recent_prompts``)."""
+        if self.granted is not None and self.granted.wants_tokens:
+            self._recent.remember(keys, tokens)
 
-    def _tokens_for(self, keys: Sequence[ChunkKey], tokens: Sequence[int] | None) -> list[int]:
+    def _tokens_for(self, keys: Sequence[ChunkKey]) -> list[int]:
         """What a LOOKUP carries beside its keys: nothing, unless the server asked for tokens."""
-        if not keys or self.granted is None or not self.granted.wants_tokens or self._layout is None:
+        if self.granted is None or not self.granted.wants_tokens or self._layout is None:
             return []
-        if tokens is None:
-            with self._recent_lock:
-                tokens = self._recent_tokens.get(keys[-1])
-        return [] if tokens is None else list(tokens[: len(keys) * self._layout.chunk_size])
+        return self._recent.tokens_for(keys, self._layout.chunk_size)
 
     def probe(self, keys: Sequence[ChunkKey], *, skip_tokens: int = 0, lease: AnyLease | None = None) -> Hit:
         """LOOKUP (leases the hit, starts its promotion), then QUERY_PREFETCH_STATUS for up to
@@ -257,7 +203,7 @@ class RemoteEngine:
 
         Protocol v1's LOOKUP always leases (request id 0 without a lease): that lease is
         released at once, so nothing stays pinned (a promotion it started runs on as a prefetch)."""
-        rid = _wire_lease(lease, 0)[1] if lease is not None else 0
+        rid = wire_lease(lease, 0)[1] if lease is not None else 0
         if lease is None:
             try:
                 return self._probe(keys, skip_tokens, rid)
@@ -267,7 +213,7 @@ class RemoteEngine:
 
     def _probe(self, keys: Sequence[ChunkKey], skip_tokens: int, rid: int) -> Hit:
         try:
-            status, _ = self.client.call(p.Lookup(rid, w.join_keys(keys), self._tokens_for(keys, None), skip_tokens))
+            status, _ = self.client.call(p.Lookup(rid, w.join_keys(keys), self._tokens_for(keys), skip_tokens))
             self.lease_token = status.lease_token or self.lease_token  # type: ignore[attr-defined]
             deadline = time.monotonic() + self.prefetch_wait_s
             while not status.done and time.monotonic() < deadline:  # type: ignore[attr-defined]
@@ -291,7 +237,7 @@ class RemoteEngine:
         return Lease(rid, session=self.client.session_id, token=self.lease_token)
 
     def release(self, lease: AnyLease) -> None:
-        rid = _wire_lease(lease, 0)[1]
+        rid = wire_lease(lease, 0)[1]
         if self.client.ready:
             self.client.submit(p.Release(rid))  # fire and forget: the server releases idempotently
 
@@ -301,7 +247,7 @@ class RemoteEngine:
         QUERY_PREFETCH_STATUS names this session's lookups only: another session's lease (the
         scheduler's, asked from a worker) answers True, and its load waits on the server."""
         try:
-            status, _ = self.client.call(p.QueryPrefetch(_wire_lease(lease, 0)[1]))
+            status, _ = self.client.call(p.QueryPrefetch(wire_lease(lease, 0)[1]))
         except KVDepotError:
             return True
         return status.done if isinstance(status, p.PrefetchStatus) else True
@@ -310,10 +256,10 @@ class RemoteEngine:
     def _deadline(self) -> int:
         return time.monotonic_ns() + int(self.client.timeout_s * 0.5e9) if self.exported.kind != "bytes" else 0
 
-    def store(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, stream: Any = None) -> _Handle:
+    def store(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, stream: Any = None) -> CopyHandle:
         """Send every full chunk of ``keys`` (from ``pool[block_ids]``); skipped when unavailable."""
         if not self.ready or not keys:
-            return _Handle(None)
+            return CopyHandle(None)
         chunks = min(len(keys), len(block_ids) // self.layout.blocks_per_chunk)
         ids = list(block_ids[: chunks * self.layout.blocks_per_chunk])
         blob = w.join_keys(keys[:chunks])
@@ -323,7 +269,7 @@ class RemoteEngine:
         else:
             synced = self.exported.before_copy(stream)
             future = self.client.submit(p.Store(blob, ids, self._deadline(), synced))
-        return _Handle(future, lambda result: result[0].stored_chunks)
+        return CopyHandle(future, lambda result: result[0].stored_chunks)
 
     def retrieve(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
                  num_blocks: int | None = None, lease: AnyLease | None = None, stream: Any = None) -> int:
@@ -342,20 +288,20 @@ class RemoteEngine:
 
     def retrieve_async(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
                        num_blocks: int | None = None, lease: AnyLease | None = None,
-                       stream: Any = None, by_layer: bool = False) -> _Handle:
+                       stream: Any = None, by_layer: bool = False) -> CopyHandle:
         """``by_layer``: ask the server to copy layer by layer (CUDA IPC pools with layer events);
         where it did, ``stream`` is *not* made to wait and the handle's ``layered`` must be waited
         on layer by layer, else ``stream`` waits for the whole load as usual."""
         fallback = skip_blocks * self.tokens_per_block
         if not self.ready:
-            return _Handle(None, fallback=fallback)
-        session, rid, token = _wire_lease(lease, self.client.session_id) if lease is not None else (0, None, b"")
+            return CopyHandle(None, fallback=fallback)
+        session, rid, token = wire_lease(lease, self.client.session_id) if lease is not None else (0, None, b"")
         ids = list(block_ids)
         by_layer = by_layer and self.exported.layered
         msg = p.Retrieve(w.join_keys(keys), ids, skip_blocks, num_blocks, session, rid, self._deadline(),
                          self.exported.before_copy(stream), by_layer, token)
         bulk = len(ids) * self._base.bytes_per_block if self.exported.kind == "bytes" else 0
-        handle = _Handle(self.client.submit(msg, timeout=self._bulk_timeout(bulk)), fallback=fallback)
+        handle = CopyHandle(self.client.submit(msg, timeout=self._bulk_timeout(bulk)), fallback=fallback)
 
         def finish(result: Any) -> int:
             reply, payloads = result
@@ -380,7 +326,7 @@ class RemoteEngine:
         """Blocks ``ids`` as one buffer: per block, every view's row in order."""
         device = self._views[0].device
         index = torch.as_tensor(ids, dtype=torch.long, device=device)
-        with _on_stream(stream, device):
+        with on_stream(stream, device):
             parts = [view.index_select(0, index) for view in self._views]
             rows = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).cpu()
         return memoryview(rows.reshape(-1).numpy())
@@ -389,7 +335,7 @@ class RemoteEngine:
         device = self._views[0].device
         rows = frame_tensor(payload).view(len(ids), -1)
         index = torch.as_tensor(ids, dtype=torch.long, device=device)
-        with _on_stream(stream, device):
+        with on_stream(stream, device):
             rows = rows.to(device)
             offset = 0
             for view in self._views:
@@ -408,20 +354,3 @@ class RemoteEngine:
         """Stop re-registering this pool; the client (shared) stays open."""
         self.client.remove_hook(self._register)
         self.exported.close()
-
-
-def _wire_lease(lease: AnyLease, own_session: int) -> tuple[int, int, bytes]:
-    """(session, request id, token) on the wire; a ``Lease`` of session 0 and a bare rid are the
-    caller's own (no token needed); another session's lease travels with that session's token."""
-    if isinstance(lease, Lease):
-        return lease.session or own_session, int(lease.request_id), lease.token
-    if isinstance(lease, tuple):  # the older (session, rid[, token]) form, sent as given
-        return int(lease[0]), int(lease[1]), bytes(lease[2]) if len(lease) > 2 else b""
-    return own_session, int(lease), b""
-
-
-def _on_stream(stream: Any, device: torch.device) -> Any:
-    """The caller's CUDA stream (else the current one) for copies on ``device``; nothing on CPU."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    return torch.cuda.stream(stream or torch.cuda.current_stream(device))

@@ -1,0 +1,87 @@
+"""What ``RemoteEngine`` hands back and sends: a copy in flight, and a lease on the wire.
+
+    CopyHandle(future, finish=, fallback=)   done() / wait() / result() / chunks; .layered
+    wire_lease(lease, own_session) -> (session, request id, token)
+    on_stream(stream, device)                the caller's CUDA stream for copies on ``device``
+
+A handle never raises: a refused or failed copy is logged and reads as its fallback (nothing
+stored, nothing loaded beyond ``skip_blocks``), which the engine's callers treat as a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from kvdepot.engine_api import Lease
+from kvdepot.errors import KVDepotError
+from kvdepot.server.calls import ServerError
+from kvdepot.transfer.layered import LayerWaits
+
+logger = logging.getLogger("kvdepot")
+
+AnyLease = Lease | int | tuple[int, int] | tuple[int, int, bytes]  # the older forms go once the connectors pass ``Lease``
+
+
+class CopyHandle:
+    """A copy in flight: ``done()`` once the server answered (or the call failed)."""
+
+    def __init__(self, future: Future | None, finish: Callable[[Any], int] | None = None, fallback: int = 0) -> None:
+        self._future, self._finish, self._value = future, finish, fallback
+        self._settled = future is None
+        self.layered: LayerWaits | None = None  # a load the server answered by layer: wait on it per layer
+
+    def done(self) -> bool:
+        if self._settled:
+            return True
+        assert self._future is not None
+        if not self._future.done():
+            return False
+        self._settled = True
+        try:
+            result = self._future.result()
+            self._value = self._finish(result) if self._finish else self._value
+        except ServerError as exc:
+            logger.warning("kvdepot: server refused a copy: %s", exc)
+        except KVDepotError:
+            pass  # unavailable: logged once by the client
+        except (IndexError, ValueError, RuntimeError, TypeError) as exc:  # a reply that does not fit
+            logger.warning("kvdepot: copy reply could not be applied: %s", exc)
+        return True
+
+    def wait(self) -> None:
+        if self._future is not None:
+            with contextlib.suppress(KVDepotError):
+                self._future.result()
+        self.done()
+
+    def result(self) -> int:
+        self.wait()
+        return self._value
+
+    @property
+    def chunks(self) -> int:
+        return self._value if self.done() else 0
+
+
+
+def wire_lease(lease: AnyLease, own_session: int) -> tuple[int, int, bytes]:
+    """(session, request id, token) on the wire; a ``Lease`` of session 0 and a bare rid are the
+    caller's own (no token needed); another session's lease travels with that session's token."""
+    if isinstance(lease, Lease):
+        return lease.session or own_session, int(lease.request_id), lease.token
+    if isinstance(lease, tuple):  # the older (session, rid[, token]) form, sent as given
+        return int(lease[0]), int(lease[1]), bytes(lease[2]) if len(lease) > 2 else b""
+    return own_session, int(lease), b""
+
+
+def on_stream(stream: Any, device: torch.device) -> Any:
+    """The caller's CUDA stream (else the current one) for copies on ``device``; nothing on CPU."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream or torch.cuda.current_stream(device))
