@@ -60,8 +60,8 @@ def test_every_exported_series_is_served_with_a_disk_tier(tmp_path: Path) -> Non
             try:
                 engine = RemoteEngine(c, fill(torch.zeros(POOL_SHAPE, dtype=DTYPE), 0), 8, model_id="metrics", mode="bytes")
                 keys = engine.chunk_keys(prompt(6))
-                engine.store(None, list(range(BLOCKS)), keys=keys).wait()
-                engine.lookup(keys=keys, lease=1)
+                engine.store(keys, list(range(BLOCKS))).wait()
+                engine.lookup(keys, lease=1)
                 c.call(p.Ping())
                 body = scrape("127.0.0.1", port)
             finally:

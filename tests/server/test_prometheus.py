@@ -76,8 +76,8 @@ def test_prometheus_scrapes_a_running_server() -> None:
         client = DepotClient(url, timeout_s=5.0, heartbeat_s=0.5, name="prom-test")
         engine = RemoteEngine(client, fill(torch.zeros(POOL_SHAPE, dtype=DTYPE), 0), 8, model_id="prom", mode="bytes")
         keys = engine.chunk_keys(prompt(6))
-        engine.store(None, list(range(BLOCKS)), keys=keys).wait()
-        assert engine.lookup(keys=keys, lease=1) > 0
+        engine.store(keys, list(range(BLOCKS))).wait()
+        assert engine.lookup(keys, lease=1) > 0
         # Prometheus's view, through its HTTP API: the target is up and kvdepot's figures arrived.
         up = wait_until(lambda: [r for r in query(web, 'up{job="kvdepot"}') if r["value"][1] == "1"], 60,
                         "Prometheus to scrape the kvdepot server")

@@ -84,7 +84,7 @@ def measure(args: argparse.Namespace, profiler: cProfile.Profile | None = None) 
     times: dict[str, list[float]] = {"store": [], "lookup": [], "lookup+lease": [], "retrieve": []}
 
     def store(keys: list, ids: list[int]) -> None:
-        if engine.store(None, ids, keys=keys).chunks != chunks:  # a dropped store would time as free
+        if engine.store(keys, ids).chunks != chunks:  # a dropped store would time as free
             raise RuntimeError("store placed fewer chunks than asked: the arena did not evict")
 
     for keys, ids in batches[:4]:  # fill the arena once over: every timed store evicts
@@ -96,11 +96,11 @@ def measure(args: argparse.Namespace, profiler: cProfile.Profile | None = None) 
         t0 = time.perf_counter()
         store(keys, ids)
         t1 = time.perf_counter()
-        engine.lookup(keys=held)  # as bench transfer does; also keeps ``held`` recently used
+        engine.lookup(held)  # as bench transfer does; also keeps ``held`` recently used
         t2 = time.perf_counter()
-        engine.lookup(keys=held, lease=n)  # as the adapters do: pin until the load
+        engine.lookup(held, lease=n)  # as the adapters do: pin until the load
         t3 = time.perf_counter()
-        got = engine.retrieve(None, held_ids, keys=held, num_blocks=len(held_ids), lease=n)
+        got = engine.retrieve(held, held_ids, num_blocks=len(held_ids), lease=n)
         t4 = time.perf_counter()
         if got != args.tokens:
             raise RuntimeError(f"retrieve loaded {got} of {args.tokens} tokens")
