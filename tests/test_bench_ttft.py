@@ -44,7 +44,7 @@ def test_layers_ahead_reaches_the_engine_as_a_parameter(tmp_path):
     (no module constant is overwritten), and each row says which value it ran with."""
     import argparse
 
-    from kvdepot.integrations.tensorrt_llm.utils import current_engine
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine
 
     from kvdepot.transfer import layered
 
