@@ -200,7 +200,7 @@ def test_logger_level_is_the_applications_unless_log_level_is_set(level: str | N
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
-    from kvdepot.integrations.tensorrt_llm.utils import depot_config
+    from kvdepot.integrations.tensorrt_llm.setup import depot_config
 
     logger = logging.getLogger("kvdepot")
     before = logger.level
