@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=120.0, help="how long the clients run under faults")
     parser.add_argument("--clients", type=int, default=8, help="client processes")
     parser.add_argument("--fault-every", type=float, default=6.0, help="seconds between two faults")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the prompts, the faults schedule and the clients' choices")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
