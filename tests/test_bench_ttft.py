@@ -45,7 +45,6 @@ def test_layers_ahead_reaches_the_engine_as_a_parameter(tmp_path):
     import argparse
 
     from kvdepot.integrations.tensorrt_llm.providers import current_engine
-
     from kvdepot.transfer import layered
 
     parser = argparse.ArgumentParser()

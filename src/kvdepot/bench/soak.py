@@ -35,6 +35,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.bench.soak_client import Counts
 from kvdepot.errors import KVDepotError
 from kvdepot.server import protocol as p
@@ -51,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=8, help="client processes")
     parser.add_argument("--fault-every", type=float, default=6.0, help="seconds between two faults")
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts, the faults schedule and the clients' choices")
+    add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,6 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures = {"clients": args.clients, "seconds": round(ran_s, 1), "incarnations": procs.incarnations,
                **{f"faults: {name}": faults[name] for name in FAULTS}, **counts, **end}
     _print(figures)
+    _write(args, figures)
     leftover = {k: v for k, v in end.items() if v}
     if counts["wrong_bytes"] or counts["late_bytes"] or leftover:
         raise KVDepotError(f"soak failed: {counts['wrong_bytes']} wrong bytes, {counts['late_bytes']} written late; "
@@ -231,6 +234,18 @@ def _print(figures: dict[str, Any]) -> None:
     print(f"kvdepot bench soak: {figures['clients']} clients for {figures['seconds']} s under faults")
     for key, value in figures.items():
         print(f"  {key.ljust(width)}  {value}")
+
+
+def _write(args: argparse.Namespace, figures: dict[str, Any]) -> None:
+    """``--json`` / ``--plot``: the figures as one row each (the plot on a log scale: counts span
+    from 0 wrong bytes to millions of bytes checked)."""
+    if not (args.json or args.plot):
+        return
+    report = Report(args, steps=0, bars=Bars(("figure",), ("value",), "count", log=True), name="bench soak")
+    report.table("kvdepot bench soak")
+    for key, value in figures.items():
+        report.add({"figure": key, "value": value})
+    report.finish()
 
 
 def _kill(proc: subprocess.Popen | None) -> None:
