@@ -117,7 +117,9 @@ class Child:
         self._out = Path(self._tmp.name, "out.json")
         self._log = open(Path(self._tmp.name, "log.txt"), "w+", encoding="utf-8")  # noqa: SIM115 - closed in result()
         spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, **CHILD_ENV}
+        # The child's kvdepot settings are its spec's alone: a KVDEPOT_* variable inherited from the
+        # parent (a server URL, a config file) would change its mode behind the spec's back.
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("KVDEPOT_")}, **CHILD_ENV}
         if spec.get("multiprocessing"):  # vLLM's default: engine core and worker in processes of their own
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         self._proc = subprocess.Popen(
