@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -29,3 +30,12 @@ def server_url():
     yield url
     stop_server(proc)
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _kvdepot_log_level():
+    """``kvdepot server``'s ``main`` sets the kvdepot logger's level from --log-level: give the next tests theirs back."""
+    log = logging.getLogger("kvdepot")
+    level = log.level
+    yield
+    log.setLevel(level)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import pytest
@@ -17,15 +16,6 @@ from kvdepot.server import wire as w
 from kvdepot.server.server import DepotServer, ServerFailed
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True)
-def _kvdepot_log_level():
-    """``main`` sets the kvdepot logger's level from --log-level: give the next tests theirs back."""
-    log = logging.getLogger("kvdepot")
-    level = log.level
-    yield
-    log.setLevel(level)
 
 
 def _config():

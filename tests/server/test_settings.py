@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import socket
 
 import pytest
@@ -13,15 +12,6 @@ from kvdepot.server import __main__ as cli
 from kvdepot.server.settings import check_settings
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(autouse=True)
-def _kvdepot_log_level():
-    """``main`` sets the kvdepot logger's level from --log-level: give the next tests theirs back."""
-    log = logging.getLogger("kvdepot")
-    level = log.level
-    yield
-    log.setLevel(level)
 
 
 def _server(capsys, workdir, *args: str) -> tuple[int, str]:  # noqa: ANN001
