@@ -14,7 +14,9 @@ pytestmark = [pytest.mark.timeout(600), pytest.mark.slow,  # process start-ups d
 
 
 def test_short_soak_checks_every_byte_and_leaves_nothing(capsys):
-    args = argparse.Namespace(seconds=4.0, clients=2, fault_every=1.0, seed=1)
+    parser = argparse.ArgumentParser()
+    soak.add_arguments(parser)  # the bench's own options, so the test's args cannot drift from the CLI's
+    args = parser.parse_args(["--seconds", "4", "--clients", "2", "--fault-every", "1", "--seed", "1"])
     figures = soak.run(args)  # raises on a wrong byte or on anything left at the end
     assert all(figures[f"faults: {name}"] >= 1 for name in soak.FAULTS)
     assert figures["loads"] > 0 and figures["stores"] > 0 and figures["checked_bytes"] > 0
