@@ -33,7 +33,7 @@ import torch
 
 from kvdepot.config import DepotConfig, load_config
 from kvdepot.engine_api import Capabilities
-from kvdepot.engine_loads import LAYER_PART_MIN_BYTES, Lease, LoadPath
+from kvdepot.engine_loads import Lease, LoadPath
 from kvdepot.errors import ConfigError, LayoutError
 from kvdepot.events.base import NULL_SINK, EventSink, EventSpace
 from kvdepot.keys import ChunkHasher, ChunkKey, Namespace
@@ -47,7 +47,7 @@ from kvdepot.transfer import MOVERS, cuda_batch
 from kvdepot.transfer.base import BlockMover, ChunkCopy
 from kvdepot.transfer.inflight import InflightTransfers
 
-__all__ = ["LAYER_PART_MIN_BYTES", "STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
+__all__ = ["STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
 
 # Where the driver has a batched copy call, every block size goes as one DMA per run, a window
 # of them per call (transfer/batch.py): on the H200 (perf-notes, run O) it matched or beat the

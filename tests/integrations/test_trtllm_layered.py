@@ -215,11 +215,11 @@ def test_cuda_hit_by_layer_equals_a_whole_load_and_no_cache(monkeypatch: pytest.
     of a whole load, and that of an engine without kvdepot."""
     import torch
 
-    import kvdepot.engine
+    import kvdepot.engine_loads
     from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorScheduler
     from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
 
-    monkeypatch.setattr(kvdepot.engine, "LAYER_PART_MIN_BYTES", 0)
+    monkeypatch.setattr(kvdepot.engine_loads, "LAYER_PART_MIN_BYTES", 0)
 
     def cuda_engine(connector: Any = (KvDepotConnectorScheduler, KvDepotConnectorWorker)) -> Engine:
         llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=1152))

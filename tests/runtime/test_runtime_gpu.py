@@ -58,7 +58,7 @@ def test_a_layered_load_waited_on_the_wrong_stream_is_caught(monkeypatch, kvdepo
     bit for bit; the mutant waits on the outer stream it got in start_load_kv, which the forward
     stopped watching when it began, so its layers read the blocks' stale KV: the outputs differ.
     (With one stream for every hook, as the runtime had, the mutant was indistinguishable.)"""
-    import kvdepot.engine
+    import kvdepot.engine_loads
     from kvdepot.integrations.tensorrt_llm.adapter import (
         KvDepotConnectorScheduler,
         KvDepotConnectorWorker,
@@ -66,7 +66,7 @@ def test_a_layered_load_waited_on_the_wrong_stream_is_caught(monkeypatch, kvdepo
     from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
     from kvdepot.transfer.layered import LayeredLoad
 
-    monkeypatch.setattr(kvdepot.engine, "LAYER_PART_MIN_BYTES", 0)  # the tiny model's layer parts pass
+    monkeypatch.setattr(kvdepot.engine_loads, "LAYER_PART_MIN_BYTES", 0)  # the tiny model's layer parts pass
     monkeypatch.setenv("KVDEPOT_LOAD_BY_LAYER", "auto")
     monkeypatch.setenv("KVDEPOT_CHUNK_SIZE", "64")
     issue = LayeredLoad.issue_through
