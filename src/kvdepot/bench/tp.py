@@ -125,7 +125,7 @@ def _measure(args: argparse.Namespace, report: Report, ranks: dict[str, list[_Ra
             for rank in pair:
                 rank.pool[:n_blocks].copy_(source.to(device))  # the latent: the same on every rank
             _sync(device)
-            _both([lambda r=r: r.engine.store(keys, stored_ids).wait() for r in pair])
+            _both([lambda r=r, k=keys: r.engine.store(k, stored_ids).wait() for r in pair])
             shards = [s for s in pair[0].engine.stats().shards if s.group == pair[0].engine.granted.group]
             stored[mode] = sum(s.figures.get("bytes_stored", 0.0) for s in shards)
     times: dict[str, list[float]] = {m: [] for m in MODES}
