@@ -28,6 +28,7 @@ from kvdepot.runtime.weights import build_model
 
 FULL = (0, 320)  # (device reused, connector matched) of a whole kvdepot hit
 DEVICE = (320, 0)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,9 @@ def _exact_hit(rank: dict) -> None:
     assert miss == hit == device
 
 
-def test_tp2_llama_hit_is_the_device_hit_on_both_ranks(server_url):
-    ranks = launch(scenario, 2, server_url, "tiny")
+@pytest.mark.parametrize("device", DEVICES)
+def test_tp2_llama_hit_is_the_device_hit_on_both_ranks(server_url, device):
+    ranks = launch(scenario, 2, server_url, "tiny", "plain", "auto", device)
     for rank in ranks:
         _exact_hit(rank)
         assert rank["pool_shape"] == (11, 2, 2, 1 * TPB * 16)  # tiny has 2 KV heads of 16: one per rank
@@ -81,9 +83,10 @@ def test_tp2_chunk_held_by_one_rank_only_is_not_a_hit(server_url):
     assert rank0_bytes > 0 and rank1_bytes == 0
 
 
-@pytest.mark.parametrize("copies", ["auto", "per-rank"])
-def test_tp2_mla_one_copy_per_chunk_loaded_into_both_pools(server_url, copies):
-    ranks = launch(scenario, 2, server_url, "mla-tiny", "plain", copies)
+@pytest.mark.parametrize(("copies", "device"), [("auto", "cpu"), pytest.param("per-rank", "cpu", marks=pytest.mark.slow),
+                                               pytest.param("auto", "cuda", marks=pytest.mark.gpu)])
+def test_tp2_mla_one_copy_per_chunk_loaded_into_both_pools(server_url, copies, device):
+    ranks = launch(scenario, 2, server_url, "mla-tiny", "plain", copies, device)
     for rank in ranks:
         _exact_hit(rank)
         assert rank["pool_shape"] == (11, 2, 1, TPB * 576)  # the whole latent on every rank
@@ -96,6 +99,7 @@ def test_tp2_mla_one_copy_per_chunk_loaded_into_both_pools(server_url, copies):
         assert [(r, b) for r, b, _ in shards] == [(0, 10 * chunk_bytes), (1, 10 * chunk_bytes)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "mla-tiny"])
 def test_tp2_flood_between_lookup_and_load_keeps_the_pinned_copy(server_url, model):
     """Rank 1 fills the server's host memory (3x its capacity) after rank 0's lookup, before its

@@ -64,13 +64,15 @@ class _FloodsBeforeLoad(mp_adapter.KvDepotMPConnectorWorker):
 WORKERS = {"plain": mp_adapter.KvDepotMPConnectorWorker, "drop": _DropsSaves, "flood": _FloodsBeforeLoad}
 
 
-def scenario(tp: TpGroup, url: str, model: str, injection: str = "plain", tp_kv_copies: str = "auto") -> dict:
-    """Miss, filler, hit, device hit on this rank; ``injection`` ("drop"/"flood") acts on rank 1."""
+def scenario(tp: TpGroup, url: str, model: str, injection: str = "plain", tp_kv_copies: str = "auto",
+             device: str = "cpu") -> dict:
+    """Miss, filler, hit, device hit on this rank; ``injection`` ("drop"/"flood") acts on rank 1.
+    On ``cuda`` both ranks share the one GPU (CUDA IPC pools)."""
     os.environ.update(KVDEPOT_SERVER_URL=url, KVDEPOT_CHUNK_SIZE=str(CHUNK), KVDEPOT_TP_KV_COPIES=tp_kv_copies)
     worker = WORKERS[injection] if tp.rank == 1 else mp_adapter.KvDepotMPConnectorWorker
     llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=TPB, max_tokens=POOL_TOKENS),
                             model=f"{model}-tp{tp.size}-{injection}-{tp_kv_copies}", tensor_parallel_size=tp.size)
-    eng = Engine(model, llm_args=llm_args, connector=(_Recording, worker), seed=0, tp=tp)
+    eng = Engine(model, device=device, llm_args=llm_args, connector=(_Recording, worker), seed=0, tp=tp)
     deadline = time.monotonic() + 30
     while providers.current_remote() is None:
         assert time.monotonic() < deadline, "the worker never registered with the server"
@@ -96,7 +98,7 @@ def scenario(tp: TpGroup, url: str, model: str, injection: str = "plain", tp_kv_
         "outputs": (miss.output_ids, hit.output_ids, device.output_ids),
         "hit_logits_are_device_logits": all(torch.equal(x, y) for x, y in zip(hit.logits, device.logits, strict=True)),
         "hit_logits_are_miss_logits": all(torch.equal(x, y) for x, y in zip(hit.logits, miss.logits, strict=True)),
-        "saved_kv": saved.view(torch.uint8).numpy().tobytes(),  # bytes: a tensor would travel as a shared fd
+        "saved_kv": saved.view(torch.uint8).cpu().numpy().tobytes(),  # bytes: a tensor would travel as a shared fd
         "flooded": _FloodsBeforeLoad.flooded,
         "shards": sorted((s.rank, s.figures.get("bytes_stored", 0.0), s.figures.get("evictions", 0.0))
                          for s in stats.shards if s.group.startswith(llm_args.model)) if stats else [],
