@@ -139,8 +139,7 @@ def _measure(args: argparse.Namespace, report: Report, ranks: dict[str, list[_Ra
         pools = [r.pool for r in ranks["one"]]
         _sync(device)
         start = time.perf_counter()
-        for pool in pools:
-            pool[n_blocks:].copy_(pool[:n_blocks])
+        _both([lambda pool=pool: pool[n_blocks:].copy_(pool[:n_blocks]) for pool in pools])  # as the ranks load
         _sync(device)
         if rep:
             ceiling.append(time.perf_counter() - start)
