@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=27, help="layers (DeepSeek-V2-Lite: 27)")
     parser.add_argument("--latent", type=int, default=576, help="latent row per token: kv_lora_rank + rope dims (512 + 64)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float8_e4m3fn"), help="KV dtype")
-    parser.add_argument("--tokens-per-block", type=int, default=32)
+    parser.add_argument("--tokens-per-block", type=int, default=32, help="tokens per pool block (TensorRT-LLM default: 32)")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (the server's)")
     parser.add_argument("--chunks", type=int, default=8, help="chunks stored and loaded per repetition")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per mode (after one warm-up)")
