@@ -108,6 +108,7 @@ def test_the_shared_copy_stays_pinned_until_the_last_rank_has_loaded(service):
     assert status == 0 and reply.end_tokens == 4 * CHUNK and bytes(payloads[0]) == data
     r0.call(p.Release(9))
     assert service.snapshot().shards[0].figures["live_leases"] == 0
+    assert service.registry.groups()[0].shards[0]._loads == {}  # no count outlives its lease
 
 
 def test_workers_must_agree_and_a_per_rank_server_keeps_copies_apart(service, workdir):
@@ -143,14 +144,15 @@ def test_a_bad_tp_kv_copies_is_a_one_line_error(monkeypatch):
         load_config()
 
 
-def test_bench_tp_measures_one_copy_against_per_rank_copies(capsys):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bench_tp_measures_one_copy_against_per_rank_copies(capsys, device):
     import argparse
 
     from kvdepot.bench import tp
 
     parser = argparse.ArgumentParser()
     tp.add_arguments(parser)
-    rows = tp.run(parser.parse_args(["--layers", "2", "--latent", "64", "--chunks", "2", "--reps", "1",
+    rows = tp.run(parser.parse_args(["--device", device, "--layers", "2", "--latent", "64", "--chunks", "2", "--reps", "1",
                                      "--chunk-size", "64", "--tokens-per-block", "32"]))
     one, per_rank = (next(r for r in rows if r["mode"] == m) for m in ("one", "per-rank"))
     chunk_bytes = 2 * 2 * 64 * 64  # layers x latent x tokens x bf16
