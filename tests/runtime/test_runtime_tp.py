@@ -153,3 +153,20 @@ def test_sharded_forward_matches_the_whole_model(name):
         t.join(60)
     assert torch.equal(out[0], out[1])
     torch.testing.assert_close(out[0], whole, atol=1e-5, rtol=1e-4)
+
+
+def test_tensor_parallel_needs_its_rank_processes():
+    from kvdepot.runtime import Engine, TorchLlmArgs
+
+    with pytest.raises(NotImplementedError, match="rank processes"):
+        Engine("tiny", llm_args=TorchLlmArgs(tensor_parallel_size=2))
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size"):
+        Engine("tiny", llm_args=TorchLlmArgs(pipeline_parallel_size=2))
+
+
+def test_tensor_parallel_must_divide_the_heads():
+    from kvdepot.errors import ConfigError
+
+    model, _ = build_model("tiny", torch.device("cpu"), 0)  # 2 KV heads
+    with pytest.raises(ConfigError, match="num_kv_heads=2"):
+        shard_model(model, TpGroup(0, 4))
