@@ -65,6 +65,10 @@ class LayerWaits:
         """Every layer was waited for, in order: nothing read a layer before its copies ended."""
         return self.waited == self.num_layers
 
+    def abandon(self, reason: BaseException) -> None:
+        """Enqueue nothing more of this load (its waiter has given up: a copy now could race the
+        blocks' next owner); later waits raise ``TransferFailed``. No-op where all is enqueued."""
+
     def _wait(self, layer: int, stream: Any) -> None:
         raise NotImplementedError
 
@@ -112,6 +116,13 @@ class LayeredLoad(LayerWaits):
     def _wait(self, layer: int, stream: Any) -> None:
         self.issue_through(layer + 1 + self.ahead)
         stream.wait_event(self.events[layer])
+
+    def abandon(self, reason: BaseException) -> None:
+        with self._lock:
+            if self._failed is not None or self.issued == len(self.events):
+                return
+            self._failed, self._layers = reason, iter(())
+            self._on_issued(reason)  # unpinned once what was enqueued has run
 
     def finish(self) -> None:
         """Enqueue every remaining layer (nothing waits): shutdown, or a forward that stopped early."""
