@@ -112,10 +112,10 @@ class ExportedPool:
         """Whether the server can signal a load layer by layer (a CUDA pool with layer events)."""
         return bool(self._layer_events)
 
-    def layered_load(self, progress: Callable[[int], None] | None = None) -> ServerLayeredLoad:
+    def layered_load(self, progress: Callable[[int], None] | None = None, ready: int | None = None) -> ServerLayeredLoad:
         """The waits of a load the server answered ``by_layer``: its layer events are recorded, or,
-        with ``progress``, are known recorded through layer ``l`` once ``progress(l)`` returns."""
-        return ServerLayeredLoad(self._layer_events, self.pool.device, progress)
+        with ``progress``, layers ``0..ready-1`` are, and layer ``l`` is once ``progress(l)`` returns."""
+        return ServerLayeredLoad(self._layer_events, self.pool.device, progress, ready)
 
     def before_copy(self, stream: Any) -> bool:
         """Record ``to_server`` on the caller's stream: the server's copy starts after it."""
@@ -147,9 +147,10 @@ class ServerLayeredLoad(LayerWaits):
     never will be — so a wait never meets an event not yet recorded for this load."""
 
     def __init__(self, events: Sequence[Any], device: torch.device,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None, ready: int | None = None) -> None:
         super().__init__(len(events))
         self._events, self._device, self._progress = events, device, progress
+        self.ready_at_reply = len(events) if ready is None else ready  # layers recorded when the reply came
 
     def _wait(self, layer: int, stream: Any) -> None:
         if self._progress is not None:

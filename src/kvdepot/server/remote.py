@@ -314,7 +314,7 @@ class RemoteEngine:
             elif reply.by_layer:
                 if not by_layer:  # its events would say nothing about this load
                     raise ValueError("the server answered by layer a load not asked for by layer")
-                handle.layered = self.exported.layered_load(self._progress(reply))
+                handle.layered = self.exported.layered_load(self._progress(reply), reply.layers_ready if reply.load_id else None)
             else:
                 self.exported.after_load(stream)
             return reply.end_tokens
