@@ -19,6 +19,7 @@ from kvdepot.server.calls import ServerUnavailable
 from kvdepot.server.ipc import ServerLayeredLoad
 from kvdepot.server.layer_progress import (
     MAX_LOADS,
+    FencedFailure,
     LayerIssuer,
     LayerProgress,
     LoadBook,
@@ -50,6 +51,9 @@ class ScriptedLoad(LayerWaits):
 
     def abandon(self, reason: BaseException) -> None:
         self.abandoned = reason
+
+    def wait_enqueued(self, stream: object) -> None:
+        self.log.append((self.name, "fence", None))
 
 
 def _early(load: ScriptedLoad, issuer: LayerIssuer, deadline_ns: int = 0) -> tuple[LayerProgress, list[int]]:
@@ -125,11 +129,13 @@ def test_a_layer_not_enqueued_fails_that_layer_and_every_later_one_for_the_clien
             assert issuer.drain(5)
             assert progress.recorded == 5 and "TransferFailed" in progress.failed and ended == [1]
             assert isinstance(load.abandoned, TransferFailed)  # nothing more of it is enqueued
-            assert ("a", "record", 5) not in log
+            # The fence: the remaining events recorded after every copy that went, then failed.
+            assert log[-1 - (LAYERS - 5):] == [("a", "fence", None)] + [("a", "record", n) for n in range(5, LAYERS)]
+            assert progress.fenced
             follow = _client(progress, pool)
             follow.through(4)  # recorded before the failure: still valid
             for layer in (5, 6, LAYERS - 1):
-                with pytest.raises(TransferFailed, match="after 5 layers"):
+                with pytest.raises(FencedFailure, match="after 5 layers"):
                     follow.through(layer)
         finally:
             issuer.close()
@@ -146,7 +152,7 @@ def test_the_deadline_stops_the_issue_and_fails_the_rest():
         load.gate.set()
         assert issuer.drain(5)
         assert progress.recorded == 3 and "deadline" in progress.failed and ended == [1]
-        assert load.abandoned is not None and ("a", "wait", 3) not in log
+        assert load.abandoned is not None and ("a", "wait", 3) not in log and progress.fenced
     finally:
         issuer.close()
 
@@ -176,10 +182,70 @@ def test_a_server_gone_mid_load_fails_the_layers_not_yet_known():
 
     follow = RemoteProgress(ask, 2, LAYERS, 0.1)
     follow.through(1)  # recorded before the reply
-    with pytest.raises(TransferFailed, match="ServerUnavailable"):
+    with pytest.raises(TransferFailed, match="ServerUnavailable") as failure:
         follow.through(2)
+    assert not isinstance(failure.value, FencedFailure)  # nothing the client could wait on
     with pytest.raises(TransferFailed):
         follow.through(LAYERS - 1)
+
+
+class LoggedServerLoad(ServerLayeredLoad):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.waited_events: list[int] = []
+
+    def _wait_event(self, layer: int, stream: object) -> None:
+        self.waited_events.append(layer)
+
+
+def test_a_fenced_failure_waits_on_the_last_event_before_it_raises():
+    import torch
+
+    def progress(layer: int) -> None:
+        if layer >= 3:
+            raise FencedFailure("the server's layered load failed after 3 layers")
+
+    load = LoggedServerLoad([object()] * LAYERS, torch.device("cpu"), progress, 1)
+    for layer in range(3):
+        load.wait_layer(layer, None)
+    with pytest.raises(FencedFailure):
+        load.wait_layer(3, None)
+    assert load.waited_events == [0, 1, 2, LAYERS - 1] and load.waited == 3
+
+
+def test_an_in_process_load_that_fails_makes_the_waiter_wait_for_what_went():
+    class Stream:
+        def __init__(self) -> None:
+            self.log: list = []
+
+        def wait_event(self, event: object) -> None:
+            self.log.append(("event", event))
+
+        def wait_stream(self, other: object) -> None:
+            self.log.append(("stream", other))
+
+    class Event:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def record(self) -> None:
+            pass
+
+    def layers():
+        yield 0
+        yield 1
+        raise RuntimeError("the driver refused layer 2")
+
+    seen: list = []
+    events = [Event(n) for n in range(4)]
+    load = LayeredLoad(layers(), events, None, seen.append, ahead=0)
+    stream = Stream()
+    load.wait_layer(0, stream)
+    load.wait_layer(1, stream)
+    with pytest.raises(TransferFailed):
+        load.wait_layer(2, stream)
+    assert stream.log == [("event", events[0]), ("event", events[1]), ("stream", None)]
+    assert len(seen) == 1 and isinstance(seen[0], RuntimeError)
 
 
 def test_a_server_layered_load_asks_before_it_waits_on_an_event():

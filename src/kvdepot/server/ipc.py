@@ -26,6 +26,7 @@ file mapped. Any other CPU pool sends its blocks over the socket ("bytes").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from kvdepot.errors import KVDepotError
+from kvdepot.server.layer_progress import FencedFailure
 from kvdepot.server.protocol import BytesPool, CudaIpcPool, PoolDesc, ShmPool
 from kvdepot.transfer.layered import LayerWaits
 
@@ -154,7 +156,15 @@ class ServerLayeredLoad(LayerWaits):
 
     def _wait(self, layer: int, stream: Any) -> None:
         if self._progress is not None:
-            self._progress(layer)
+            try:
+                self._progress(layer)
+            except FencedFailure:  # the last event follows every copy that went: none lands later
+                with contextlib.suppress(IpcError):
+                    self._wait_event(self.num_layers - 1, stream)
+                raise
+        self._wait_event(layer, stream)
+
+    def _wait_event(self, layer: int, stream: Any) -> None:
         runtime, _ = _cuda()
         _check(runtime.cudaStreamWaitEvent(_stream_ptr(stream, self._device), self._events[layer], 0), "cudaStreamWaitEvent")
 

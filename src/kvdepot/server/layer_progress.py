@@ -20,7 +20,9 @@ Server side
 Client side
     RemoteProgress(ask, ready, layers)  ``through(l)`` blocks until layer ``l`` is recorded (one
                                     LAYERS call ahead in flight), raises ``TransferFailed`` if the
-                                    load failed, the server is gone or refuses.
+                                    load failed, the server is gone or refuses (``FencedFailure``
+                                    where the server fenced the copies that did go: the caller
+                                    waits on the last layer's event before it gives the blocks up).
 
 Failure mid-way (a layer's copies not enqueued, the deadline passed, the server dying) therefore
 reaches the client as ``TransferFailed`` from the wait of the first layer not recorded — before
@@ -54,6 +56,11 @@ class DeadlinePassed(KVDepotError):
     """The client's deadline passed before a layer could be enqueued."""
 
 
+class FencedFailure(TransferFailed):
+    """The load failed, and the server recorded its last layer's event after every copy of it
+    that was enqueued: a stream that waits on that event is past all of them."""
+
+
 # ---- server side ---------------------------------------------------------------------------------
 class LayerProgress:
     """Layers ``0..recorded-1`` of one load have their events recorded; thread-safe."""
@@ -62,6 +69,7 @@ class LayerProgress:
         self.load_id, self.layers, self.deadline_ns = load_id, layers, deadline_ns
         self.recorded = 0
         self.failed = ""
+        self.fenced = False  # failed, and the rest of the events recorded after every enqueued copy
         self._cond = threading.Condition()
 
     @property
@@ -73,22 +81,22 @@ class LayerProgress:
             self.recorded = max(self.recorded, recorded)
             self._cond.notify_all()
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, fenced: bool = False) -> None:
         with self._cond:
-            self.failed = reason or "failed"
+            self.failed, self.fenced = reason or "failed", fenced
             self._cond.notify_all()
 
     def past(self, layer: int) -> bool:
         return self.recorded > layer or self.done
 
-    def wait_past(self, layer: int, timeout_s: float = MAX_WAIT_S) -> tuple[int, str]:
-        """(recorded, failed) once layer ``layer`` is recorded or the load ended, or after
+    def wait_past(self, layer: int, timeout_s: float = MAX_WAIT_S) -> tuple[int, str, bool]:
+        """(recorded, failed, fenced) once layer ``layer`` is recorded or the load ended, or after
         ``timeout_s`` (at most till just past the load's deadline: the issuer fails it then)."""
         if self.deadline_ns:
             timeout_s = min(timeout_s, max(0.0, (self.deadline_ns - time.monotonic_ns()) / 1e9) + 0.05)
         with self._cond:
             self._cond.wait_for(lambda: self.past(layer), timeout=timeout_s)
-            return self.recorded, self.failed
+            return self.recorded, self.failed, self.fenced
 
 
 class LoadBook:
@@ -172,7 +180,8 @@ def record_rest(load: LayerWaits, progress: LayerProgress, record: Callable[[int
     """Enqueue and record layers ``progress.recorded..`` of ``load`` in order: per layer, refuse
     past the deadline, make ``stream`` wait for the layer (which enqueues it), then ``record``
     its interprocess event on ``stream`` and advance. On any failure ``load`` is abandoned (no
-    further copies) and ``progress`` failed: the client's wait for that layer raises."""
+    further copies), the remaining events are recorded after every copy that did go (the fence),
+    and ``progress`` failed: the client's wait for that layer raises, after waiting on the fence."""
     try:
         for layer in range(progress.recorded, progress.layers):
             if progress.deadline_ns and time.monotonic_ns() > progress.deadline_ns:
@@ -183,9 +192,23 @@ def record_rest(load: LayerWaits, progress: LayerProgress, record: Callable[[int
             time.sleep(0)  # let the loop thread answer the LAYERS waiting for this layer
     except Exception as exc:
         load.abandon(exc)
-        progress.fail(f"{type(exc).__name__}: {exc}")
+        fenced = _fence(load, progress, record, stream)
+        progress.fail(f"{type(exc).__name__}: {exc}", fenced)
         if not isinstance(exc, (TransferFailed, DeadlinePassed)):
             logger.error("kvdepot server: layer %d of a load could not be signalled: %s", progress.recorded, exc)
+
+
+def _fence(load: LayerWaits, progress: LayerProgress, record: Callable[[int], None], stream: object) -> bool:
+    """Record layers ``recorded..`` after every copy of ``load`` enqueued so far; False if that
+    failed too (a broken device: the client then learns of the failure without a fence)."""
+    try:
+        load.wait_enqueued(stream)
+        for layer in range(progress.recorded, progress.layers):
+            record(layer)
+    except Exception as exc:
+        logger.error("kvdepot server: a failed load's fence could not be recorded: %s", exc)
+        return False
+    return True
 
 
 # ---- client side ---------------------------------------------------------------------------------
@@ -200,6 +223,7 @@ class RemoteProgress:
         self.ready, self.layers, self.timeout_s = ready, layers, timeout_s
         self._ask = ask
         self._failed = ""
+        self._fenced = False
         self._next: Future | None = ask(ready) if ready < layers else None
         self._lock = threading.Lock()
 
@@ -208,8 +232,8 @@ class RemoteProgress:
         with self._lock:
             while layer >= self.ready:
                 if self._failed:
-                    raise TransferFailed(f"kvdepot: the server's layered load failed after {self.ready} layers: "
-                                         f"{self._failed}")
+                    kind = FencedFailure if self._fenced else TransferFailed
+                    raise kind(f"kvdepot: the server's layered load failed after {self.ready} layers: {self._failed}")
                 future, self._next = self._next or self._ask(layer), None
                 try:
                     reply, _ = future.result(self.timeout_s + 1.0)
@@ -217,7 +241,7 @@ class RemoteProgress:
                     self._failed = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
                     continue
                 if reply.failed:
-                    self._failed = reply.failed
+                    self._failed, self._fenced = reply.failed, reply.fenced
                 self.ready = max(self.ready, min(reply.recorded, self.layers))
                 if not self._failed and self.ready < self.layers:
                     self._next = self._ask(self.ready)  # in flight while the forward runs on

@@ -232,6 +232,7 @@ class Layers(msgspec.Struct, **_HOT):
 class LayersReply(msgspec.Struct, **_HOT):
     recorded: int  # layers 0..recorded-1 have their events recorded for this load
     failed: str = ""  # not empty: no layer from ``recorded`` on will be; those blocks hold no valid KV
+    fenced: bool = False  # failed, and the last layer's event was recorded after every copy that was enqueued
 
 
 class Release(msgspec.Struct, **_HOT):

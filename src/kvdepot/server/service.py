@@ -295,8 +295,7 @@ class DepotService:
             raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"no layered load {msg.load_id} in {session}")
         if not wait and not progress.past(msg.through):
             raise p.WouldBlock
-        recorded, failed = progress.wait_past(msg.through)
-        return p.LayersReply(recorded, failed), []
+        return p.LayersReply(*progress.wait_past(msg.through)), []
 
     def _lease(self, session: Session, msg: p.Retrieve) -> tuple[str, int, int] | None:
         """The lease a RETRIEVE names: this session's, or another's whose token it carries."""
