@@ -174,7 +174,7 @@ def test_async_load_completes_through_get_finished(connector, monkeypatch):
     monkeypatch.setattr(RemoteEngine, "probe", staging)
     remote = providers.current_remote()
     assert scheduler.get_num_new_matched_tokens(Request(4, PROMPT), 0) == (0, False)  # prefetch: host part only
-    remote.config = dataclasses.replace(remote.config, lower_tier_hits="async")
+    remote.config = dataclasses.replace(remote.config, lower_tier_hits="load")
     assert scheduler.get_num_new_matched_tokens(Request(5, PROMPT), 0) == (96, True)
     blocks = list(range(16, 29))
     scheduler.update_state_after_alloc(Request(5, PROMPT), blocks)
@@ -229,7 +229,7 @@ def test_disk_hit_is_prefetched_for_later_requests_by_default(disk_connector):
 def test_disk_hit_is_promoted_then_loaded_asynchronously(disk_connector):
     scheduler, worker, pool, _ = disk_connector
     remote = providers.current_remote()
-    remote.config = dataclasses.replace(remote.config, lower_tier_hits="async")
+    remote.config = dataclasses.replace(remote.config, lower_tier_hits="load")
     first = list(range(13))
     _evict_to_disk(scheduler, worker, first)
     matched = scheduler.get_num_new_matched_tokens(Request(3, PROMPT), 0)
