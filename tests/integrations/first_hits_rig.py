@@ -77,9 +77,12 @@ class Written:
     saved: torch.Tensor
 
 
-def write(classes: tuple[type, type] = IN_PROCESS) -> Written:
+def write(classes: tuple[type, type] = IN_PROCESS, ready: Callable[[], None] | None = None) -> Written:
+    """The writer: A computed (a miss) and stored; ``ready`` waits for a server registration."""
     rig = Rig()
     eng = engine(rig, classes)
+    if ready is not None:
+        ready()
     result = eng.generate([prompt_a()], NEW)[0]
     assert result.num_connector_matched_tokens == 0  # a miss: nothing was stored before
     return Written(result, eng.pool[rig.blocks[result.request_id][:HIT_BLOCKS]].clone())
