@@ -121,9 +121,9 @@ class Gate:
         self._open = threading.Event()
         real = TierManager._promote
 
-        def gated(manager: TierManager, keys: list[Any], reserve: Any) -> int:
+        def gated(manager: TierManager, *args: Any) -> int:
             assert self._open.wait(30), "the test never opened the promotion gate"
-            return real(manager, keys, reserve)
+            return real(manager, *args)
 
         monkeypatch.setattr(TierManager, "_promote", gated)
 

@@ -124,14 +124,14 @@ def _flood_host() -> None:
             key = bytes([i % 256, i // 256]) * 8
             if depot.host.reserve(key) is not None:
                 depot.host.commit(key, True)
-        assert all(depot.host.contains(key) for key in promised)  # pinned by the request's lease
+        assert all(depot.host.contains(key) for key in promised), (depot.stats(), [depot.host.contains(k) for k in promised])  # pinned by the lease
     assert depot.stats().evictions > 0
 
 
 # (case, tiers, injection, ends as a good load?)
 CASES = [
     ("host-eviction", ("redis",), lambda r: _flood_host(), True),
-    ("disk-file-removed", ("disk",), lambda r: _remove_disk_file(), False),
+    ("disk-file-removed", ("disk",), lambda r: _remove_disk_file(), True),  # held open since the lookup
     ("disk-file-removed-redis-has-it", ("disk", "redis"), lambda r: _remove_disk_file(), True),
     ("disk-file-corrupt", ("disk",), lambda r: _corrupt_disk_file(), False),
     ("disk-file-corrupt-redis-has-it", ("disk", "redis"), lambda r: _corrupt_disk_file(), True),
