@@ -13,12 +13,9 @@ from typing import Any
 
 import pytest
 from runtime_fakes import Script, make_recording_connector
+from runtime_fakes import prompt as _prompt
 
 from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
-
-
-def _prompt(n: int, offset: int = 1) -> list[int]:
-    return [(offset + 7 * i) % 500 + 1 for i in range(n)]
 
 
 def _engine(script: Script, fail_in: str, fail_steps: set[int], overlap: bool = False) -> Engine:
