@@ -39,6 +39,7 @@ from kvdepot.events.base import NULL_SINK
 from kvdepot.events.publisher import KVEventPublisher
 from kvdepot.keys import ChunkHasher, ChunkKey
 from kvdepot.layout import PoolLayout
+from kvdepot.server.layer_progress import LayerIssuer
 from kvdepot.server.protocol import ErrorCode, ProtocolError, Register, mp_namespace
 from kvdepot.storage.host import Budget
 from kvdepot.transfer.layered import LayerWaits
@@ -64,6 +65,7 @@ class Shard:
         self.lock = threading.Lock()
         self._loads: dict[Hashable, int] = {}  # one-copy group: loads so far under each lease
         self._loads_lock = threading.Lock()  # dict operations only: forget() never waits on a copy
+        self.issuer = LayerIssuer(f"kvdepot-layers-{rank}")  # loads answered early: the rest of their layers
         self._attached: torch.Tensor | None = None
         self._placeholder = torch.empty(
             (1, layout.num_layers, layout.kv_factor, layout.block_elems), dtype=layout.dtype, device="meta"
@@ -99,6 +101,7 @@ class Shard:
 
     def close(self) -> None:
         """Finish the engine's work and give its host memory back to the server's budget."""
+        self.issuer.close()
         self.engine.close()
         self.engine.host.close()
 
