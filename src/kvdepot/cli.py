@@ -27,6 +27,7 @@ BENCHES = {
     "vllm": ("kvdepot.bench.vllm", "TTFT of real vLLM without a connector, with kvdepot, and with vLLM's own prefix cache"),
     "bookkeeping": ("kvdepot.bench.bookkeeping", "host-side cost of CacheEngine store/lookup/retrieve with no copy (CPU)"),
     "events": ("kvdepot.bench.kv_events_cost", "caller-side cost of a KV-event sink call, events off vs on (CPU)"),
+    "cluster": ("kvdepot.bench.cluster", "N nodes over one Redis Cluster: hit rate, TTFT, recompute; round-robin vs routed by KV events"),
 }
 
 
