@@ -91,6 +91,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         nodes = [NodeProcess(i, args.model, args.device, workdir / f"node{i}.log", net.prefix(i)) for i in range(args.nodes)]
         for node in nodes:
             stack.callback(node.stop)
+        for node in nodes:  # all started (torch imported) before any row: a starting node steals CPU
+            node.call({"op": "reset", "connected": False, "pool_tokens": pool, "env": {}})
         configs: list[tuple[str, int, bool]] = [("no cache", 1, False), ("1 node", 1, True),
                                                  (f"{args.nodes} nodes round-robin", args.nodes, True),
                                                  (f"{args.nodes} nodes routed", args.nodes, True)]
