@@ -86,3 +86,11 @@ def test_netns_nodes_reach_the_bridge_and_leave_nothing():
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert not any(name in left for name in names)
         assert subprocess.run(["ip", "link", "show", bridge], capture_output=True).returncode != 0
+
+
+def test_cli_names_the_bench():
+    from kvdepot.cli import build_parser
+
+    argv = ["bench", "cluster", "--nodes", "3", "--netns"]
+    args = build_parser(argv).parse_args(argv)
+    assert args.bench == "cluster" and args.nodes == 3 and args.netns and args.model == "small"

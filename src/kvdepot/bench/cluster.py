@@ -59,7 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the engine's own KV pool per node (default: twice the longest prompt, like a GPU "
                              "that holds a couple of requests, not the whole workload)")
     parser.add_argument("--chunk-size", type=int, default=256, help="kvdepot chunk size (a multiple of 32)")
-    parser.add_argument("--host-gb", type=float, default=1.0, help="kvdepot host tier per node, GB")
+    parser.add_argument("--host-gb", type=float, default=None,
+                        help="kvdepot host tier per node, GB (default: 1.25x the workload's distinct prompt blocks: "
+                             "no evictions, the rows differ by where KV is, not by capacity)")
     parser.add_argument("--netns", action="store_true", help="run each node in its own network namespace (root, ip netns)")
     add_output_arguments(parser)
 
@@ -77,11 +79,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise KVDepotError(f"--model {args.model!r}: not a runtime preset; allowed: {', '.join(sorted(PRESETS))}")
     work = requests(shape, PRESETS[args.model].vocab_size, args.seed)
     pool = args.pool_tokens or 2 * max(len(r.tokens) for r in work) + 2 * TOKENS_PER_BLOCK
+    if args.host_gb is None:
+        blocks = len({h for r in work for h in Ledger(TOKENS_PER_BLOCK).hashes(r.tokens)})
+        args.host_gb = round(max(0.01, 1.25 * blocks * TOKENS_PER_BLOCK * PRESETS[args.model].kv_bytes_per_token / 1e9), 3)
     workdir = Path(tempfile.mkdtemp(prefix="kvd-cluster-", dir="/tmp"))  # short: ipc:// paths are limited
     report = Report(args, steps=4 * len(work), device=args.device, name="cluster")
     report.table(f"bench cluster: {len(work)} requests ({args.sessions} sessions x {args.turns} turns, {args.systems} "
                  f"system prompts, {args.documents} documents), model {args.model} on {args.device}, "
-                 f"pool {pool} tokens per node, chunk {args.chunk_size}" + (", netns" if args.netns else ", loopback"),
+                 f"pool {pool} tokens and host tier {args.host_gb} GB per node, chunk {args.chunk_size}" + (", netns" if args.netns else ", loopback"),
                  config=len(f"{args.nodes} nodes round-robin"))
     with contextlib.ExitStack() as stack:
         net = stack.enter_context(_network(args.netns, args.nodes))
@@ -149,7 +154,8 @@ def _warm_prompt(work: list[Request], seed: int) -> list[int]:
 def _verdict(report: Report, rows: list[dict[str, Any]]) -> None:
     one, rr, routed = rows[1]["hit %"], rows[2]["hit %"], rows[3]["hit %"]
     report.note(f"round-robin vs 1 node: {rr - one:+.1f} points of hit rate ({'within' if rr >= one - 5 else 'not within'} 5); "
-                f"routed vs 1 node: {routed - one:+.1f} points ({'>=' if routed >= one else '<'} 1 node)")
+                f"routed vs 1 node: {routed - one:+.1f} points ({'>=' if routed >= one else '<'} 1 node); "
+                f"load average {os.getloadavg()[0]:.1f} (TTFT moves with it; hit and recompute shares do not)")
 
 
 def _network(netns: bool, nodes: int) -> contextlib.AbstractContextManager[Any]:

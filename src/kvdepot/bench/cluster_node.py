@@ -83,6 +83,9 @@ class NodeProcess:
     def __init__(self, index: int, model: str, device: str, log: Path, prefix: Sequence[str] = ()) -> None:
         self.index, self.log = index, log
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVDEPOT_")}  # its config is the bench's
+        # NOTE: OpenMP threads spin for a while after each forward; on one machine an idle node's
+        # spinning then slows the node that serves the next request (a real cluster has a host each)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         with open(log, "wb") as sink:
             self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvdepot.bench.cluster_node", model, device],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=sink, env=env, text=True)

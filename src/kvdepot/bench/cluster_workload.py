@@ -75,10 +75,14 @@ class Ledger:
         self._hasher = BlockHasher("bench-cluster-ledger")
         self._seen: set[int] = set()
 
+    def hashes(self, tokens: Sequence[int]) -> list[int]:
+        """The chained hashes of ``tokens``' full blocks (equal prefixes, equal hashes)."""
+        return self._hasher.hashes(tokens, self.block_size)
+
     def account(self, tokens: Sequence[int], cached_tokens: int) -> int:
         """Record one served request; returns how many of its computed prompt tokens were
         recomputed (in full blocks the cluster had seen before)."""
-        hashes = self._hasher.hashes(tokens, self.block_size)
+        hashes = self.hashes(tokens)
         first_computed = cached_tokens // self.block_size
         again = sum(1 for h in hashes[first_computed:] if h in self._seen)
         self._seen.update(hashes)
