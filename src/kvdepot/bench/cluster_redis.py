@@ -57,7 +57,10 @@ class RedisCluster:
             self.procs.append(subprocess.Popen(
                 [server, "--port", str(port), "--bind", self.host, "--cluster-announce-ip", self.host,
                  "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000",
-                 "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--logfile", "redis.log"],
+                 "--save", "", "--appendonly", "no", "--dir", str(node_dir), "--logfile", "redis.log",
+                 # off the loopback (--netns: a bridge only this machine's namespaces reach) Redis
+                 # would refuse every client of a password-less server
+                 "--protected-mode", "yes" if self.host.startswith("127.") else "no"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         for port, proc in zip(self.ports, self.procs, strict=True):
             self._wait_port(port, proc)
