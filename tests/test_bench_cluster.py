@@ -57,8 +57,11 @@ def test_tiny_cluster_run_routed_beats_round_robin(tmp_path):
     none, one, rr, routed = rows
     assert none["kvdepot %"] == 0 and one["kvdepot %"] > 0  # kvdepot serves what the small pool lost
     assert one["hit %"] > none["hit %"] and one["recompute %"] < none["recompute %"]
-    # The router sees only the nodes' KV events; it must send later turns where their prefix is.
-    assert routed["hit %"] > rr["hit %"] and routed["recompute %"] < rr["recompute %"]
+    # The router sees only the nodes' KV events; it must send later turns where their prefix is in
+    # host memory: a single node's hit rate at least, with fewer reads from the shared tier than
+    # round-robin (with events off it routes round-robin and fails here).
+    assert routed["hit %"] >= one["hit %"] and routed["Redis reads"] < rr["Redis reads"]
+    assert none["Redis reads"] == 0 and rr["Redis reads"] > 0
     assert all(r["TTFT p90 ms"] >= r["TTFT p50 ms"] > 0 for r in rows)
     assert json.loads((tmp_path / "c.json").read_text())["tables"][0]["rows"] == rows
 

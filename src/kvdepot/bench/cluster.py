@@ -14,7 +14,7 @@ four times, each over empty caches:
 
 Requests go one at a time (the next after the last one's stores have landed), so TTFT holds no
 queueing and the runs differ only in where the KV was found. The figures (``cluster_report``):
-hit %, kvdepot %, recompute % and TTFT p50/p90. With ``--netns`` every node runs in its own
+hit %, kvdepot %, recompute %, Redis reads and TTFT p50/p90. With ``--netns`` every node runs in its own
 network namespace behind a veth pair and reaches Redis over it (root and ``ip netns`` needed).
 The 8B shape is for a GPU: ``--device cuda --model llama-8b``.
 """
@@ -132,7 +132,7 @@ def _serve(work: list[Request], nodes: list[NodeProcess], policy: Policy, report
             got = nodes[policy.pick(tokens)].call({"op": "run", "tokens": tokens})
             cached = got["pool"] + got["kvdepot"]
             served.append(cluster_report.Served(len(tokens), got["pool"], got["kvdepot"], got["ttft_ms"],
-                                                ledger.account(tokens, cached)))
+                                                ledger.account(tokens, cached), got["redis_reads"]))
             policy.settle()
     return served
 

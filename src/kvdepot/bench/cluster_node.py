@@ -10,8 +10,9 @@ talks to it. The node reads one JSON object per line on stdin and answers one pe
         drop the engine (and its kvdepot engine: host tier, publisher) and build a fresh one with
         that config; answers {"ok": true}
     {"op": "run", "tokens": [...]}
-        serve one prompt (one new token); answers {"ttft_ms", "pool", "kvdepot"}: TTFT measured
-        here, prompt tokens reused from the engine's own pool and loaded by kvdepot
+        serve one prompt (one new token); answers {"ttft_ms", "pool", "kvdepot", "redis_reads"}:
+        TTFT measured here, prompt tokens reused from the engine's own pool and loaded by kvdepot,
+        chunks read from Redis meanwhile (for this request or promoted for later ones)
     {"op": "quit"}
 
 After each request the node waits until what the request started has landed — its stores in host
@@ -60,6 +61,7 @@ class Node:
             depot.wait_arena()
 
     def run(self, tokens: list[int]) -> dict[str, Any]:
+        before = _lower_reads()
         result = self.engine.generate([tokens], 1, keep_all_logits=False)[0]
         depot = _depot()
         if depot is not None:  # let everything this request started land (see the module docstring)
@@ -68,7 +70,7 @@ class Node:
             if depot.lower is not None:
                 depot.lower.flush()
         return {"ttft_ms": result.ttft_s * 1e3, "pool": result.num_device_reused_tokens,
-                "kvdepot": result.num_connector_matched_tokens}
+                "kvdepot": result.num_connector_matched_tokens, "redis_reads": _lower_reads() - before}
 
     def close(self) -> None:
         from kvdepot.integrations.tensorrt_llm.providers import destroy_engine
@@ -116,6 +118,12 @@ class NodeProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def _lower_reads() -> int:
+    """Chunks read from the tiers below host memory so far (here: the Redis Cluster)."""
+    depot = _depot()
+    return sum(tier.hits for tier in depot.stats().lower) if depot is not None else 0
 
 
 def _depot() -> Any:

@@ -1,6 +1,6 @@
 """The figures of ``kvdepot bench cluster``: one row per configuration, and its two-panel plot.
 
-    Served(prompt, pool, kvdepot, ttft_ms, recomputed)   one request, as its node measured it
+    Served(prompt, pool, kvdepot, ttft_ms, recomputed, redis_reads) one request, as its node measured it
     row(config, nodes, served)                           the configuration's figures
     plot(rows, path, title)                              shares of prompt tokens | TTFT p50/p90
 
@@ -8,6 +8,7 @@ hit %        prompt tokens not computed (the engine's own pool + kvdepot) / prom
 kvdepot %    prompt tokens kvdepot loaded / prompt tokens
 recompute %  prompt tokens computed although some node had computed the same prefix before /
              prompt tokens: the cluster's duplicated work, what a shared cache is for
+Redis reads  chunks the nodes read from the Redis Cluster (served, or promoted for later)
 TTFT         per request, measured in the node (submission to first token)
 """
 
@@ -26,6 +27,7 @@ class Served:
     kvdepot: int
     ttft_ms: float
     recomputed: int
+    redis_reads: int
 
 
 def row(config: str, nodes: int, served: Sequence[Served]) -> dict[str, Any]:
@@ -40,6 +42,7 @@ def row(config: str, nodes: int, served: Sequence[Served]) -> dict[str, Any]:
         "hit %": 100.0 * sum(s.pool + s.kvdepot for s in served) / prompt,
         "kvdepot %": 100.0 * sum(s.kvdepot for s in served) / prompt,
         "recompute %": 100.0 * sum(s.recomputed for s in served) / prompt,
+        "Redis reads": sum(s.redis_reads for s in served),
         "TTFT p50 ms": statistics.median(ttfts),
         "TTFT p90 ms": deciles[8],
     }
