@@ -52,3 +52,10 @@ def running_server(*args: str, timeout_s: float = 120.0) -> Iterator[str]:
         if log is not subprocess.DEVNULL:
             log.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def arena_allocated(stats) -> bool:
+    """Whether every shard of a server's ``stats()`` has its host arena pinned: stores that arrive
+    before are refused, and on CUDA hosts pinning a few GB takes seconds."""
+    figures = [shard.figures for shard in stats.shards] if stats is not None else []
+    return bool(figures) and all(f.get("host_pending_chunks", 1) == 0 for f in figures)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from kvdepot.bench.report import Bars, Report, add_output_arguments
-from kvdepot.bench.server_proc import running_server
+from kvdepot.bench.server_proc import arena_allocated, running_server
 from kvdepot.config import load_config
 from kvdepot.engine_api import Lease
 from kvdepot.server.client import DepotClient
@@ -116,6 +116,10 @@ def _measure(args: argparse.Namespace, report: Report, ranks: dict[str, list[_Ra
         if time.monotonic() > deadline:
             raise RuntimeError("the ranks did not register with the server")
         time.sleep(0.01)
+    while not all(arena_allocated(r.engine.stats()) for pair in ranks.values() for r in pair):
+        if time.monotonic() > deadline:  # stores before the arena is pinned are refused (slow on CUDA hosts)
+            raise RuntimeError("the server did not pin its host arena in 60 s")
+        time.sleep(0.05)
     stored_ids, load_ids = list(range(n_blocks)), list(range(n_blocks, 2 * n_blocks))
     tokens = list(range(1, args.chunks * args.chunk_size + 1))
     stored: dict[str, float] = {}
@@ -128,6 +132,8 @@ def _measure(args: argparse.Namespace, report: Report, ranks: dict[str, list[_Ra
             _both([lambda r=r, k=keys: r.engine.store(k, stored_ids).wait() for r in pair])
             shards = [s for s in pair[0].engine.stats().shards if s.group == pair[0].engine.granted.group]
             stored[mode] = sum(s.figures.get("bytes_stored", 0.0) for s in shards)
+            if not stored[mode]:
+                raise RuntimeError(f"{mode}: the server stored nothing (see its log)")
     times: dict[str, list[float]] = {m: [] for m in MODES}
     ceiling: list[float] = []
     for rep in range(args.reps + 1):

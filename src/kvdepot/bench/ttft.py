@@ -91,6 +91,8 @@ def _engine(args: argparse.Namespace, max_tokens: int, connected: bool, server_u
 
 
 def _ready(server_url: str | None) -> None:
+    from kvdepot.bench.server_proc import arena_allocated
+
     """Wait until the connector's engine is usable: the arena pinned, or the server registration made."""
     from kvdepot.integrations.tensorrt_llm.providers import current_engine, current_remote
 
@@ -105,15 +107,10 @@ def _ready(server_url: str | None) -> None:
     # The server pins its arena from registration on; pinning tens of GB beside the timed phase
     # slowed the whole runtime (a device-hit TTFT of 54 ms against 29), as wait_arena avoids in-process.
     deadline = time.monotonic() + 300
-    while not _server_arena_allocated(current_remote().stats()):
+    while not arena_allocated(current_remote().stats()):
         if time.monotonic() > deadline:
             raise RuntimeError("the kvdepot server did not allocate its host arena in 300 s")
         time.sleep(0.2)
-
-
-def _server_arena_allocated(stats) -> bool:
-    figures = [shard.figures for shard in stats.shards] if stats is not None else []
-    return bool(figures) and all(f.get("host_pending_chunks", 1) == 0 for f in figures)
 
 
 def _teardown() -> None:
