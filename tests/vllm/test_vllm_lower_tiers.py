@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from vllm_helpers import SKIP_REASON, VLLM_MISSING
-from vllm_rig import B, CHUNK, Rig, blocks, empty_step, engine, new_step, request, serve_miss
+from vllm_rig import CHUNK, B, Rig, blocks, empty_step, engine, new_step, request, serve_miss
 
 from kvdepot.bench.vllm import random_prompt
 from kvdepot.engine_api import Lease
