@@ -53,9 +53,10 @@ def fresh(tmp_path: Path, **tiers: Any) -> Rig:
     return Rig(tmp_path / "b", num_blocks=NUM_BLOCKS, seed=2, policy="recompute", **tiers)
 
 
-def hold_promotions(rig: Rig) -> threading.Event:
-    """Promotions of rig's engine wait for the returned event: the window between lookup and load."""
-    lower = engine().lower
+def hold_promotions(eng: Any = None) -> threading.Event:
+    """Promotions of ``eng`` (default: the process's engine) wait for the returned event: the
+    window between lookup and load, held open for a test to inject a failure in."""
+    lower = (eng or engine()).lower
     original, gate = lower._promote, threading.Event()
 
     def held(keys, reserve):  # type: ignore[no-untyped-def]
@@ -166,6 +167,7 @@ def disk_file(index: int) -> Path:
 
 
 def redis_corrupt(redis_server: Any, name: bytes) -> None:
+    """Flip one payload byte of a stored value: its checksum no longer matches."""
     client = redis_server.client()
     value = bytearray(client.get(name))
     value[-100] ^= 0xFF
@@ -186,7 +188,7 @@ def test_a_chunk_lost_before_its_promotion_is_recomputed_from_there(tmp_path, re
     tiers = {"disk_path": str(tmp_path / "depot")} if tier == "disk" else {"remote_url": redis_server.url}
     a = stored_by_another_engine(tmp_path, **tiers)
     b = fresh(tmp_path, **tiers)
-    gate = hold_promotions(b)
+    gate = hold_promotions()
     req = ask(b)
     inject(redis_server)
     gate.set()
@@ -200,7 +202,7 @@ def test_redis_killed_before_the_promotion_loads_nothing(tmp_path, redis_server)
     tiers = {"remote_url": redis_server.url, "remote_timeout_s": 0.2}
     stored_by_another_engine(tmp_path, **tiers)
     b = fresh(tmp_path, **tiers)
-    gate = hold_promotions(b)
+    gate = hold_promotions()
     req = ask(b)
     redis_server.stop()
     gate.set()
@@ -212,7 +214,7 @@ def test_a_promoted_chunk_evicted_before_the_load_is_recomputed_from_there(tmp_p
     tiers = {"remote_url": redis_server.url}
     a = stored_by_another_engine(tmp_path, **tiers)
     b = fresh(tmp_path, **tiers)
-    gate = hold_promotions(b)
+    gate = hold_promotions()
     req = ask(b)
     eng = engine()
     gate.set()
@@ -229,7 +231,7 @@ def test_a_request_aborted_while_its_load_waits_is_reported_once(tmp_path, redis
     tiers = {"remote_url": redis_server.url}
     stored_by_another_engine(tmp_path, **tiers)
     b = fresh(tmp_path, **tiers)
-    gate = hold_promotions(b)
+    gate = hold_promotions()
     req = ask(b)
     assert b.sched.request_finished(req, IDS_B) == (False, None)  # nothing saved: only the load holds the blocks
     gate.set()
