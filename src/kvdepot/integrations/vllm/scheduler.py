@@ -28,6 +28,7 @@ later requests (``prefetch``), and the connector says so once.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,7 +49,6 @@ class SchedRequest(SentState):
     skip_blocks: int = 0  # where a load would start (blocks vLLM holds already)
     reset: bool = True  # a new lookup: the worker drops whatever it held under this id
     load_async: bool = False  # the load reaches past the host part: vLLM parks the request for it
-    parked: bool = False  # vLLM allocated blocks for the async load: send it, unscheduled, next step
 
 
 class Scheduler:
@@ -64,6 +64,7 @@ class Scheduler:
         if self._disabled_reason:
             logger.warning("kvdepot: %s; kvdepot is off (no lookups, no saves)", self._disabled_reason)
         self._lower_hits = self._loads and lower_tier_loads(setup)
+        self._parked: list[str] = []  # async loads vLLM allocated blocks for: sent, unscheduled, next step
 
     def _engine(self) -> Engine | None:
         """The engine to look up in, or None: no hits, no saves."""
@@ -147,7 +148,7 @@ class Scheduler:
             state.load = (state.load[0], num_external_tokens // self._block)
             if state.load_async:  # vLLM parks the request: it is not scheduled until we report the load
                 state.block_ids = list(blocks.get_block_ids()[0])
-                state.parked = True
+                self._parked.append(request.request_id)
 
     def build_meta(self, scheduler_output: Any) -> KvDepotVllmMetadata:
         meta = KvDepotVllmMetadata(preempted=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()),
@@ -161,9 +162,10 @@ class Scheduler:
         engine = self._engine()
         if engine is None:
             return meta
-        for rid, state in self._requests.items():
-            if state.parked:  # an async load: sent now, before vLLM schedules the request; nothing saved
-                state.parked = False
+        parked, self._parked = self._parked, []
+        for rid in parked:  # async loads: sent now, before vLLM schedules the requests; nothing saved
+            state = self._requests.get(rid)
+            if state is not None:
                 self._plan(engine, rid, state, 0, meta, load_async=True)
         scheduled = scheduler_output.num_scheduled_tokens
         for data in scheduler_output.scheduled_new_reqs:
@@ -226,8 +228,10 @@ def lower_tier_loads(setup: Setup) -> bool:
         return False
     policy = getattr(setup.vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
     if policy != "recompute":
-        logger.warning("kvdepot: kv_load_failure_policy=%r: hits found only on disk/Redis are prefetched for later "
-                       "requests, not loaded for the first one (a chunk lost before its load would fail the "
-                       "request); set kv_load_failure_policy='recompute' in the KV transfer config", policy)
+        lower = setup.config.disk_path or setup.config.remote_url or setup.server_url  # a server may have them
+        logger.log(logging.WARNING if lower else logging.INFO,
+                   "kvdepot: kv_load_failure_policy=%r: hits found only on disk/Redis are prefetched for later "
+                   "requests, not loaded for the first one (a chunk lost before its load would fail the "
+                   "request); set kv_load_failure_policy='recompute' in the KV transfer config", policy)
         return False
     return True
