@@ -125,8 +125,8 @@ class Scheduler:
             state.load = (state.skip_blocks, matched // self._block)
         else:
             engine.release(self._lease(rid))  # a promotion it started runs on as a prefetch
-        logger.info("lookup req=%s vllm_matched=%d cached=%d host=%d new_matched=%d async=%s", rid,
-                    num_computed_tokens, hit.tokens, hit.host_tokens, matched, bool(matched and state.load_async))
+        logger.info("lookup req=%s vllm_matched=%d cached=%d new_matched=%d host=%d async=%s", rid,
+                    num_computed_tokens, hit.tokens, matched, hit.host_tokens, bool(matched and state.load_async))
         self._setup.stats.write(
             "lookup", req=rid, tokens=len(tokens), vllm_matched=num_computed_tokens, cached=hit.tokens,
             host=hit.host_tokens, new_matched=matched, load_async=bool(matched and state.load_async), ms=probe_ms,
