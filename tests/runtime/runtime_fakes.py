@@ -223,3 +223,21 @@ def make_block_store_connector(store: BlockStore) -> tuple[type, type]:
             return [], sorted(ready)
 
     return StoreScheduler, StoreWorker
+
+
+def recording_engine(script: Script, max_tokens: int = 4096, **args: Any) -> Any:
+    """The tiny preset under the reference runtime, its connector recording into ``script``."""
+    from kvdepot.runtime import Engine, KvCacheConfig, TorchLlmArgs
+
+    llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(max_tokens=max_tokens), **args)
+    return Engine("tiny", llm_args=llm_args, connector=make_recording_connector(script))
+
+
+def prompt(n: int, offset: int = 1) -> list[int]:
+    """``n`` deterministic token ids; distinct ``offset``s give distinct prompts."""
+    return [(offset + 7 * i) % 500 + 1 for i in range(n)]
+
+
+def built_outputs(script: Script) -> list[Any]:
+    """The SchedulerOutput of every recorded build_connector_meta call, in order."""
+    return [a[0] for a in script.args("build_connector_meta")]

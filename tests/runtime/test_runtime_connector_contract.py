@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from runtime_fakes import Script, make_recording_connector
+from runtime_fakes import Script, built_outputs, make_recording_connector, prompt, recording_engine
 
 from kvdepot.runtime import Engine, KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
 
@@ -18,17 +18,11 @@ LAYERS = 2  # the tiny preset
 
 
 def _engine(script: Script, max_tokens: int = 4096, **args) -> Engine:
-    args.setdefault("disable_overlap_scheduler", True)
-    llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(max_tokens=max_tokens), **args)
-    return Engine("tiny", llm_args=llm_args, connector=make_recording_connector(script))
+    args.setdefault("disable_overlap_scheduler", True)  # these cases count steps without the overlap's lag
+    return recording_engine(script, max_tokens, **args)
 
 
-def _prompt(n: int, offset: int = 1) -> list[int]:
-    return [(offset + 7 * i) % 500 + 1 for i in range(n)]
-
-
-def _outputs(script: Script):
-    return [a[0] for a in script.args("build_connector_meta")]
+_prompt, _outputs = prompt, built_outputs
 
 
 def test_simple_contract_counts_and_order():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from runtime_fakes import Script, make_recording_connector
+from runtime_fakes import Script, built_outputs, make_recording_connector, prompt, recording_engine
 
 from kvdepot.errors import ConfigError
 from kvdepot.runtime import (
@@ -27,17 +27,7 @@ B = 32
 NAMES = dict(connector_module="m", connector_scheduler_class="S", connector_worker_class="W")
 
 
-def _engine(script: Script, max_tokens: int = 4096, **args) -> Engine:
-    llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(max_tokens=max_tokens), **args)
-    return Engine("tiny", llm_args=llm_args, connector=make_recording_connector(script))
-
-
-def _prompt(n: int, offset: int = 1) -> list[int]:
-    return [(offset + 7 * i) % 500 + 1 for i in range(n)]
-
-
-def _outputs(script: Script):
-    return [a[0] for a in script.args("build_connector_meta")]
+_engine, _prompt, _outputs = recording_engine, prompt, built_outputs
 
 
 # -- the connector config ---------------------------------------------------------------------
