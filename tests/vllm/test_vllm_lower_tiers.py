@@ -142,13 +142,60 @@ def test_prefetch_keeps_the_lower_tier_part_for_later_requests(tmp_path) -> None
     assert b.sched.get_num_new_matched_tokens(request("s", PROMPT), 0) == (HIT, False)  # from host memory now
 
 
-def test_vllms_default_fail_policy_prefetches_instead(tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+def ask_until_promoted(rig: Rig, req: Any) -> int:
+    """get_num_new_matched_tokens as vLLM's scheduler calls it each step while it answers None."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        matched, load_async = rig.sched.get_num_new_matched_tokens(req, 0)
+        if matched is not None:
+            assert not load_async  # promised only from host memory
+            return matched
+        time.sleep(0.005)
+    raise AssertionError("the lookup never settled")
+
+
+def test_vllms_default_fail_policy_waits_for_the_promotion_then_loads_from_host(tmp_path) -> None:
     disk = str(tmp_path / "depot")
-    stored_by_another_engine(tmp_path, disk_path=disk)
+    a = stored_by_another_engine(tmp_path, disk_path=disk)
     (tmp_path / "b").mkdir()
     b = Rig(tmp_path / "b", num_blocks=NUM_BLOCKS, disk_path=disk)  # kv_load_failure_policy: fail
-    assert "kv_load_failure_policy='fail'" in caplog.text
-    assert b.sched.get_num_new_matched_tokens(request("r", PROMPT), 0) == (0, False)
+    gate = hold_promotions()
+    req = request("r", PROMPT)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # vLLM asks again next step
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    gate.set()
+    assert ask_until_promoted(b, req) == HIT
+    b.sched.update_state_after_alloc(req, blocks(IDS_B), HIT)
+    b.step(new_step("r", IDS_B, HIT, len(PROMPT) - HIT), computed_blocks=IDS_B[HIT // B :])
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    assert_blocks_equal(b, a, HIT // B)
+    b.sched.request_finished(req, IDS_B)
+    b.worker.get_finished({"r"})
+    stats = engine().stats()
+    assert stats.live_leases == 0 and stats.pinned_chunks == 0
+
+
+def test_under_the_fail_policy_a_chunk_lost_before_its_promotion_is_a_shorter_hit(tmp_path) -> None:
+    disk = str(tmp_path / "depot")
+    a = stored_by_another_engine(tmp_path, disk_path=disk)
+    (tmp_path / "b").mkdir()
+    b = Rig(tmp_path / "b", num_blocks=NUM_BLOCKS, disk_path=disk)
+    gate = hold_promotions()
+    req = request("r", PROMPT)
+    assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)
+    corrupt(disk_file(FAILED_CHUNK))
+    gate.set()
+    hit = FAILED_CHUNK * CHUNK
+    assert ask_until_promoted(b, req) == hit  # never promised: no load error, nothing for vLLM to fail
+    b.sched.update_state_after_alloc(req, blocks(IDS_B), hit)
+    b.step(new_step("r", IDS_B, hit, len(PROMPT) - hit), computed_blocks=IDS_B[hit // B :])
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    assert_blocks_equal(b, a, hit // B)
+    b.sched.request_finished(req, IDS_B)
+    b.worker.get_finished({"r"})
+    engine().wait_promotions(timeout=30)
+    stats = engine().stats()
+    assert stats.live_leases == 0 and stats.pinned_chunks == 0
 
 
 # ---- failures between the lookup and the load ----------------------------------------------------

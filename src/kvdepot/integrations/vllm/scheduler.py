@@ -22,13 +22,13 @@ the probe's promotion is in host memory and reports it in ``finished_recving``
 (``async_loads.py``). Blocks it could not fill go to ``get_block_ids_with_load_errors``, and
 vLLM 0.32 (``Scheduler._handle_invalid_blocks``) truncates the request at the first of them and
 recomputes from there — with ``kv_load_failure_policy: recompute``. Under vLLM's default
-``fail`` it would fail the request instead, so there the lower-tier part is only prefetched for
-later requests (``prefetch``), and the connector says so once.
+``fail`` it would fail the request instead, so there ``matched`` answers None (vLLM asks again
+next step) until the promotion is done and then promises only what is in host memory
+(``lower_tier_mode``).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -38,6 +38,10 @@ from kvdepot.integrations.planner import DeltaPlanner, SentState
 from kvdepot.integrations.vllm.metadata import KvDepotVllmMetadata, VllmRequestMeta
 from kvdepot.integrations.vllm.setup import Setup, logger
 from kvdepot.keys import ChunkHasher
+
+# "wait" mode: how long a lookup may answer None for its promotion before it settles for the host
+# part (promotions are bounded by the tiers' timeouts; this only caps a slow disk or Redis).
+WAIT_PROMOTION_S = 5.0
 
 
 @dataclass(kw_only=True)
@@ -63,7 +67,8 @@ class Scheduler:
         self._disabled_reason = "unsupported KV cache groups" if setup.group is None else self._provider.why_off()
         if self._disabled_reason:
             logger.warning("kvdepot: %s; kvdepot is off (no lookups, no saves)", self._disabled_reason)
-        self._lower_hits = self._loads and lower_tier_loads(setup)
+        self._lower = lower_tier_mode(setup) if self._loads else "off"
+        self._waiting: dict[str, float] = {}  # lookups waiting for their promotion ("wait"), until when
         self._parked: list[str] = []  # async loads vLLM allocated blocks for: sent, unscheduled, next step
 
     def _engine(self) -> Engine | None:
@@ -96,11 +101,16 @@ class Scheduler:
             and getattr(request, "prompt_embeds", None) is None
         )
 
-    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         rid = request.request_id
         engine = self._engine()
+        waiting = self._waiting.pop(rid, None)
+        if (waiting is not None and engine is not None and time.monotonic() < waiting
+                and not engine.promotion_done(self._lease(rid))):
+            self._waiting[rid] = waiting
+            return None, False  # vLLM asks again next step: the promotion runs on meanwhile
         old = self._requests.pop(rid, None)
-        if old is not None and engine is not None:
+        if old is not None and engine is not None and waiting is None:
             engine.release(self._lease(rid))  # vLLM asks again when it could not schedule the request
         if engine is None or not self._cacheable(request) or num_computed_tokens % self._block:
             return 0, False
@@ -113,12 +123,18 @@ class Scheduler:
         started = time.perf_counter()
         hit = engine.probe(state.keys, skip_tokens=num_computed_tokens, lease=self._lease(rid))
         probe_ms = round((time.perf_counter() - started) * 1e3, 3)
+        if self._lower == "wait" and self._loads and hit.pending and waiting is None:
+            # kv_load_failure_policy: fail — promise only what is in host memory, once promoted.
+            self._waiting[rid] = time.monotonic() + WAIT_PROMOTION_S
+            self._setup.stats.write("lookup_wait", req=rid, tokens=len(tokens), vllm_matched=num_computed_tokens,
+                                    cached=hit.tokens, host=hit.host_tokens, ms=probe_ms)
+            return None, False
         # Host memory serves this request; so do chunks found only on disk/Redis with
         # lower_tier_hits: load (loaded asynchronously once promoted), else they are promoted in
         # the background for later requests (prefetch). At least one token to compute: vLLM
         # needs one to produce the next token.
         limit = (len(tokens) - 1) // self._block * self._block
-        usable = (hit.tokens if self._lower_hits else hit.host_tokens) if self._loads else 0
+        usable = (hit.tokens if self._lower == "async" else hit.host_tokens) if self._loads else 0
         matched = max(0, min(usable, limit) - num_computed_tokens) // self._block * self._block
         state.load_async = num_computed_tokens + matched > hit.host_tokens
         if matched:
@@ -203,6 +219,7 @@ class Scheduler:
         """True while the request's saves may still be copying: vLLM keeps its blocks until get_finished."""
         rid = request.request_id
         state = self._requests.pop(rid, None)
+        self._waiting.pop(rid, None)
         engine = self._engine()
         if engine is not None:
             engine.release(self._lease(rid))
@@ -218,20 +235,17 @@ class Scheduler:
         self._provider.close()
 
 
-def lower_tier_loads(setup: Setup) -> bool:
-    """Whether hits found only on disk/Redis are loaded for the request that found them.
+def lower_tier_mode(setup: Setup) -> str:
+    """How hits found only on disk/Redis are served to the request that found them.
 
-    ``lower_tier_hits: prefetch`` says no. Otherwise only where vLLM recomputes the blocks a
-    load could not fill (``kv_load_failure_policy: recompute``): under its default ``fail`` a
-    chunk lost between lookup and load (evicted, corrupt, Redis down) would fail the request."""
+    ``off`` (``lower_tier_hits: prefetch``): not at all; promoted for later requests.
+    ``async``: promised at once with ``load_kv_async``, where vLLM recomputes the blocks a load
+    could not fill (``kv_load_failure_policy: recompute``).
+    ``wait``: under vLLM's default ``fail``, which would fail the request for a chunk lost between
+    lookup and load (evicted, corrupt, Redis down): ``matched`` answers None (vLLM asks again next
+    step) until the promotion is done, then promises only what is in host memory, loaded like any
+    host hit. A failed promotion is then a shorter hit, never a failed request."""
     if setup.config.lower_tier_hits == "prefetch":
-        return False
+        return "off"
     policy = getattr(setup.vllm_config.kv_transfer_config, "kv_load_failure_policy", "fail")
-    if policy != "recompute":
-        lower = setup.config.disk_path or setup.config.remote_url or setup.server_url  # a server may have them
-        logger.log(logging.WARNING if lower else logging.INFO,
-                   "kvdepot: kv_load_failure_policy=%r: hits found only on disk/Redis are prefetched for later "
-                   "requests, not loaded for the first one (a chunk lost before its load would fail the "
-                   "request); set kv_load_failure_policy='recompute' in the KV transfer config", policy)
-        return False
-    return True
+    return "async" if policy == "recompute" else "wait"
