@@ -49,9 +49,6 @@ class AsyncLoads:
     def __init__(self) -> None:
         self._loads: dict[str, AsyncLoad] = {}
 
-    def __len__(self) -> int:
-        return len(self._loads)
-
     def add(self, load: AsyncLoad) -> None:
         self._loads[load.request_id] = load
 
@@ -59,6 +56,8 @@ class AsyncLoads:
         """Send the loads that may go now; take the answered ones with their answers (valid tokens
         from 0). Never waits: ``promotion_done`` and ``done`` are non-blocking, and a load is sent
         only when the engine will not wait on disk or Redis in the call."""
+        if not self._loads:
+            return []
         bpc = engine.layout.blocks_per_chunk
         for load in self._loads.values():
             if load.pending is None and (engine.capabilities.async_loads or engine.promotion_done(load.lease)):

@@ -123,7 +123,7 @@ class Scheduler:
         started = time.perf_counter()
         hit = engine.probe(state.keys, skip_tokens=num_computed_tokens, lease=self._lease(rid))
         probe_ms = round((time.perf_counter() - started) * 1e3, 3)
-        if self._lower == "wait" and self._loads and hit.pending and waiting is None:
+        if self._lower == "wait" and hit.pending and waiting is None:
             # kv_load_failure_policy: fail — promise only what is in host memory, once promoted.
             self._waiting[rid] = time.monotonic() + WAIT_PROMOTION_S
             self._setup.stats.write("lookup_wait", req=rid, tokens=len(tokens), vllm_matched=num_computed_tokens,
