@@ -35,7 +35,7 @@ def test_unknown_mode_is_refused():
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    with pytest.raises(SystemExit, match="allowed: in-process, whole, mp"):
+    with pytest.raises(SystemExit, match="allowed: in-process, whole, mp, first-redis"):
         run(parser.parse_args(["--device", "cpu", "--model", "tiny", "--modes", "gpu"]))
 
 
@@ -64,3 +64,21 @@ def test_layers_ahead_reaches_the_engine_as_a_parameter(tmp_path):
     assert seen == [(2, 2), (64, 64)]
     assert layered.LAYERS_AHEAD == 4  # the default stays what it was
     assert all(r["tokens loaded"] == 224 for r in rows)
+
+
+def test_first_redis_mode_serves_a_fresh_engines_first_request(redis_server):
+    """The first-redis rows: a fresh engine's first request of each prompt is served from Redis
+    (parked, then loaded), exact. The bench starts its own redis-server (the fixture's binary)."""
+    import argparse
+
+    from redis_server import REDIS_SERVER
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--model", "tiny", "--lengths", "600", "--miss-prompts", "1",
+                              "--miss-length", "64", "--decode-tokens", "2", "--modes", "first-redis",
+                              "--first-prompts", "2", "--redis-server", REDIS_SERVER])
+    (row,) = run(args)["first_hits"]
+    assert (row["prompt"], row["prompts"], row["tokens loaded"], row["errors"], row["leases live"]) == (600, 2, 512, 0, 0)
+    assert row["async load"] and row["tokens==recompute"]
+    assert row["hit/recompute"] == row["first hit ms"] / row["recompute ms"]

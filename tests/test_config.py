@@ -253,3 +253,11 @@ def test_load_config_reads_the_process_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("KVDEPOT_BOGUS", "1")
     with pytest.raises(ConfigError, match="KVDEPOT_BOGUS"):
         load_config()
+
+
+def test_lower_tier_hits_defaults_to_load_and_async_is_its_old_name():
+    assert resolve_config(env={})[0].lower_tier_hits == "load"
+    assert resolve_config(env={"KVDEPOT_LOWER_TIER_HITS": "prefetch"})[0].lower_tier_hits == "prefetch"
+    assert resolve_config(env={"KVDEPOT_LOWER_TIER_HITS": "async"})[0].lower_tier_hits == "load"  # warned once
+    with pytest.raises(ConfigError, match=r"config key 'lower_tier_hits': value 'later' is not allowed; expected one of 'load', 'prefetch'"):
+        load_config(lower_tier_hits="later")

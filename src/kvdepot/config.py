@@ -74,12 +74,14 @@ class DepotConfig:
     metrics_port: int = _key(0, "Server: serve Prometheus metrics on metrics_host:PORT (0 = off).", minimum=0)
     metrics_host: str = _key("127.0.0.1", "Server: address the Prometheus metrics listen on (0.0.0.0: every interface).")
     lower_tier_hits: str = _key(
-        "prefetch",
-        "How a hit found only on disk/Redis is served. prefetch: promote it into host memory in the "
-        "background and serve it from there to later requests (always exact). async: promise it to "
-        "this request and load it when promoted (TensorRT-LLM's async path); a chunk that vanishes or "
-        "fails its checksum between lookup and read then leaves blocks unloaded (logged, counted).",
-        choices=("prefetch", "async"),
+        "load",
+        "How a hit found only on disk/Redis is served. load: the request that found it is promised "
+        "the whole hit and waits (TensorRT-LLM: parked, is_async=True) while it is read into host "
+        "memory; a promised chunk that cannot be delivered then fails that request with an error "
+        "(TensorRT-LLM 1.2) or is recomputed (vLLM), never wrong KV (docs/tiers.md). prefetch: "
+        "the request gets only the host part; the rest is promoted in the background for later "
+        "requests. The old value async means load.",
+        choices=("load", "prefetch"),
     )
 
     kv_events_endpoint: str | None = _key(
@@ -94,6 +96,9 @@ class DepotConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.lower_tier_hits == "async":  # the old, unsafe mode's name: now the safe load
+            _warn_async_once()
+            object.__setattr__(self, "lower_tier_hits", "load")
         for f in dataclasses.fields(self):
             _check_value(f, getattr(self, f.name))
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
@@ -102,6 +107,16 @@ class DepotConfig:
                 raise ConfigError(f"config key {name!r}: value {value!r} is not allowed; expected a ZMQ address "
                                   "starting with " + ", ".join(_ZMQ_SCHEMES) + " (or unset)")
         _check_remote(self)
+
+
+_warned_async = False
+
+
+def _warn_async_once() -> None:
+    global _warned_async
+    if not _warned_async:
+        _warned_async = True
+        logger.warning("config key 'lower_tier_hits': value 'async' is the old name of 'load'; using 'load'")
 
 
 def _check_remote(config: DepotConfig) -> None:

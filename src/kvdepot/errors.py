@@ -25,3 +25,10 @@ class TierUnavailable(KVDepotError):
 
 class Irrecoverable(KVDepotError):
     """State that must not be used any more (e.g. a server speaking another protocol version)."""
+
+
+class PromisedLoadFailed(KVDepotError, RuntimeError):
+    """A load promised to the engine delivered fewer tokens than promised (a chunk vanished or
+    failed every checksum after the lookup, the server went away). Raised in the forward of the
+    step that would read those blocks, so the engine answers the request with an error instead
+    of computing from KV that is not there (TensorRT-LLM 1.2 cannot take a promise back)."""

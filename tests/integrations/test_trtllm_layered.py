@@ -72,6 +72,9 @@ class _Stream:
         assert event.recorded, "a stream made to wait for an event not recorded yet passes at once"
         self.log.append(("waited", event.name))
 
+    def wait_stream(self, other: Any) -> None:  # a failed load: what was enqueued, before the blocks' next use
+        self.log.append(("fenced", other))
+
 
 def test_layered_load_counts_only_in_order_waits_and_ignores_foreign_layers() -> None:
     log: list = []
@@ -125,6 +128,7 @@ def test_layered_load_that_cannot_be_enqueued_fails_every_later_wait() -> None:
             wait()
     load.finish()
     assert len(done) == 1 and not [e for e in log if e[0] == "waited"] and load.fully_issued
+    assert log.count(("fenced", None)) == 3  # each failed wait made its stream wait for what went
 
 
 def test_layered_load_refuses_a_mover_that_skips_a_layer() -> None:

@@ -21,9 +21,10 @@ from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_
 
 
 def test_restarted_process_prefetches_from_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """Default ``prefetch``: the first request after a restart computes while its chunks are
-    promoted from disk; the next request with that prefix is served from them."""
+    """``prefetch``: the first request after a restart computes while its chunks are promoted
+    from disk; the next request with that prefix is served from them."""
     monkeypatch.setenv("KVDEPOT_CHUNK_SIZE", "64")
+    monkeypatch.setenv("KVDEPOT_LOWER_TIER_HITS", "prefetch")
     monkeypatch.setenv("KVDEPOT_DISK_PATH", str(tmp_path / "depot"))
     caplog.set_level(logging.INFO, logger="kvdepot")
     a = prompt(700, 49)
@@ -47,9 +48,8 @@ def filler_for(max_tokens: int) -> list[int]:
 
 
 def test_restarted_process_hits_from_disk_async(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """``async``: the first request after a restart is parked and served from disk."""
+    """``load`` (the default): the first request after a restart is parked and served from disk."""
     monkeypatch.setenv("KVDEPOT_CHUNK_SIZE", "64")
-    monkeypatch.setenv("KVDEPOT_LOWER_TIER_HITS", "async")
     monkeypatch.setenv("KVDEPOT_DISK_PATH", str(tmp_path / "depot"))
     caplog.set_level(logging.INFO, logger="kvdepot")
     a = prompt(700, 50)
@@ -125,24 +125,23 @@ def run_process(seed: int, env: dict[str, str], repeat: str = "once") -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("mode", ["async", "prefetch"])
+@pytest.mark.parametrize("mode", ["load", "prefetch"])
 def test_two_processes_share_through_redis(redis_server, mode: str) -> None:
     env = {"KVDEPOT_CHUNK_SIZE": "64", "KVDEPOT_REMOTE_URL": redis_server.url, "KVDEPOT_LOWER_TIER_HITS": mode,
            "KVDEPOT_LOG_LEVEL": "INFO"}  # the lookup lines below are INFO records
     writer = run_process(60, env)
-    reader = run_process(60, env, "once" if mode == "async" else "twice")  # fresh: empty host tier
+    reader = run_process(60, env, "once" if mode == "load" else "twice")  # fresh: empty host tier
     assert writer["logs"] == ["lookup req=1 trt_matched=0 cached=0 new_matched=0"]
     assert "trt_matched=0 cached=640 new_matched=640" in reader["logs"][-1]
-    assert reader["async"] == (mode == "async")
+    assert reader["async"] == (mode == "load")
     assert reader["out"] == writer["out"]
-    assert redis_server.client().dbsize() == (10 if mode == "async" else 10 + 765 // 64)  # + the filler
+    assert redis_server.client().dbsize() == (10 if mode == "load" else 10 + 765 // 64)  # + the filler
 
 
 def test_redis_outage_reaches_no_engine_and_hits_resume(redis_server, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("KVDEPOT_CHUNK_SIZE", "64")
     monkeypatch.setenv("KVDEPOT_REMOTE_URL", redis_server.url)
     monkeypatch.setenv("KVDEPOT_REMOTE_RETRY_S", "0.2")
-    monkeypatch.setenv("KVDEPOT_LOWER_TIER_HITS", "async")
     caplog.set_level(logging.INFO, logger="kvdepot")
     a, b = prompt(700, 61), prompt(700, 62)
     first = engine(768).generate([a], 4)[0]

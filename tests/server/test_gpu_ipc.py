@@ -1,6 +1,8 @@
 """CUDA IPC: a pool from a raw cudaMalloc (what TensorRT-LLM's pool is), registered by IPC handle,
 stored and loaded by the server — whole, and layer by layer with a layer event each — bit-exact
-across processes, ordered by interprocess events."""
+across processes, ordered by interprocess events. A load by layer is answered early (after layer
+0 of 8; layers 5.. are enqueued after the reply, ``server/layer_progress.py``), and two of them
+back to back (the second queued behind the first on the shard's issuer) are bit-exact too."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from kvdepot.server.ipc import _wrap_device_memory
 from kvdepot.server.remote import RemoteEngine
 
 url, role, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
-B, SHAPE = 32, (64, 4, 2, 8 * 32 * 64)          # 64 blocks of 256 KiB (bf16)
+B, SHAPE = 32, (64, 8, 2, 8 * 32 * 64)          # 64 blocks of 512 KiB (bf16): 8 layers of 64 KiB parts
 torch.cuda.set_device(0)
 nbytes = 2
 for dim in SHAPE:
@@ -37,7 +39,7 @@ remote = RemoteEngine(client, pool, B, model_id="gpu-ipc", mode="ipc")
 assert remote.ready and remote.exported.kind == "cuda", remote.exported.kind
 tokens = [(seed * 131 + i * 7) % 32000 for i in range(8 * B)]   # 4 chunks of 64 = 8 blocks
 keys = remote.chunk_keys(tokens)
-src, dst = list(range(8)), list(range(40, 48))
+src, dst, dst2 = list(range(8)), list(range(40, 48)), list(range(24, 32))
 stream = torch.cuda.Stream()
 with torch.cuda.stream(stream):
     if role == "store":
@@ -52,14 +54,24 @@ with torch.cuda.stream(stream):
     assert remote.lookup(keys, lease=1) == 8 * B
     torch.cuda._sleep(200_000_000)                    # the load must wait for earlier work ...
     pool[dst] = 1.0                                   # ... such as this write, or it would be lost
-    seen = []
-    if role == "layered":                             # copied layer by layer, a forward's waits per layer
+    seen, seen2 = [], []
+    if role in ("layered", "layered2"):               # copied layer by layer, a forward's waits per layer
         handle = remote.retrieve_async(keys, dst, lease=1, stream=stream, by_layer=True)
         end = handle.result()
         assert handle.layered is not None and handle.layered.num_layers == SHAPE[1], handle.layered
+        # Answered before the last layer's event was recorded (so before layers 5.. were enqueued:
+        # the engine enqueues 4 ahead of the one waited for).
+        assert handle.layered.ready_at_reply < SHAPE[1], handle.layered.ready_at_reply
+        second = None
+        if role == "layered2":                        # a second load before the first is waited for
+            second = remote.retrieve_async(keys, dst2, stream=stream, by_layer=True)
+            assert second.result() == 8 * B and second.layered is not None
         for layer in range(SHAPE[1]):
             handle.layered.wait_layer(layer, stream)
             seen.append(pool[dst, layer].clone())     # what layer ``layer``'s attention would read
+            if second is not None:
+                second.layered.wait_layer(layer, stream)
+                seen2.append(pool[dst2, layer].clone())
         assert handle.layered.fully_waited
     else:
         end = remote.retrieve(keys, dst, lease=1, stream=stream)
@@ -69,6 +81,11 @@ assert end == 8 * B, end
 assert torch.equal(loaded, expected[src]), "loaded blocks differ"
 for layer, snapshot in enumerate(seen):
     assert torch.equal(snapshot, expected[src, layer]), f"layer {layer} read before its copies ended"
+for layer, snapshot in enumerate(seen2):
+    assert torch.equal(snapshot, expected[src, layer]), f"layer {layer} of the second load read before its copies ended"
+if role == "layered2":
+    assert torch.equal(pool[dst2].clone(), expected[src]), "the second load's blocks differ"
+    assert torch.count_nonzero(pool[8:24]) == 0 and torch.count_nonzero(pool[32:40]) == 0, "a block outside was written"
 assert torch.count_nonzero(pool[48:]) == 0, "a block outside the request was written"
 client.close()
 remote.close()
@@ -90,5 +107,7 @@ def test_raw_cudamalloc_pool_by_cuda_ipc(workdir):
         assert hit.returncode == 0 and "ok hit" in hit.stdout, hit.stderr
         layered = _owner(url, "layered", 3)  # the same, by layer: the server records a layer event per layer
         assert layered.returncode == 0 and "ok layered" in layered.stdout, layered.stderr
+        twice = _owner(url, "layered2", 3)  # two loads by layer in flight at once on one pool
+        assert twice.returncode == 0 and "ok layered2" in twice.stdout, twice.stderr
     finally:
         assert stop_server(proc) == 0, proc.log.read_text()  # type: ignore[attr-defined]

@@ -173,8 +173,9 @@ def test_async_load_completes_through_get_finished(connector, monkeypatch):
 
     monkeypatch.setattr(RemoteEngine, "probe", staging)
     remote = providers.current_remote()
+    remote.config = dataclasses.replace(remote.config, lower_tier_hits="prefetch")
     assert scheduler.get_num_new_matched_tokens(Request(4, PROMPT), 0) == (0, False)  # prefetch: host part only
-    remote.config = dataclasses.replace(remote.config, lower_tier_hits="async")
+    remote.config = dataclasses.replace(remote.config, lower_tier_hits="load")
     assert scheduler.get_num_new_matched_tokens(Request(5, PROMPT), 0) == (96, True)
     blocks = list(range(16, 29))
     scheduler.update_state_after_alloc(Request(5, PROMPT), blocks)
@@ -213,8 +214,10 @@ def _evict_to_disk(scheduler, worker, first: list[int]) -> None:
     finish(worker, saving=[2])
 
 
-def test_disk_hit_is_prefetched_for_later_requests_by_default(disk_connector):
+def test_disk_hit_is_prefetched_for_later_requests_with_prefetch(disk_connector):
     scheduler, worker, pool, _ = disk_connector
+    remote = providers.current_remote()
+    remote.config = dataclasses.replace(remote.config, lower_tier_hits="prefetch")
     first = list(range(13))
     _evict_to_disk(scheduler, worker, first)
     assert scheduler.get_num_new_matched_tokens(Request(3, PROMPT), 0) == (0, False)  # promotion starts
@@ -229,7 +232,7 @@ def test_disk_hit_is_prefetched_for_later_requests_by_default(disk_connector):
 def test_disk_hit_is_promoted_then_loaded_asynchronously(disk_connector):
     scheduler, worker, pool, _ = disk_connector
     remote = providers.current_remote()
-    remote.config = dataclasses.replace(remote.config, lower_tier_hits="async")
+    remote.config = dataclasses.replace(remote.config, lower_tier_hits="load")
     first = list(range(13))
     _evict_to_disk(scheduler, worker, first)
     matched = scheduler.get_num_new_matched_tokens(Request(3, PROMPT), 0)

@@ -36,6 +36,11 @@ SAMPLES: list[msgspec.Struct] = [
     p.Retrieve(KEYS, [1, 2], 0, None, 0, 3, 0, True, True),
     p.RetrieveReply(64, 2),
     p.RetrieveReply(64, 2, True),
+    p.Retrieve(KEYS, [1, 2], by_layer=True, early=True),
+    p.RetrieveReply(64, 2, True, 7, 1),
+    p.Layers(7, 3),
+    p.LayersReply(4),
+    p.LayersReply(2, "TransferFailed: gone"),
     p.Release(5),
     p.Empty(),
     p.EndSession(),
@@ -50,7 +55,7 @@ SAMPLES: list[msgspec.Struct] = [
 def test_operation_ids_are_frozen():
     assert {op.name: int(op) for op in p.Op} == {
         "HELLO": 1, "REGISTER": 2, "LOOKUP": 3, "QUERY_PREFETCH_STATUS": 4, "STORE": 5,
-        "RETRIEVE": 6, "RELEASE": 7, "END_SESSION": 8, "PING": 9, "STATS": 10,
+        "RETRIEVE": 6, "RELEASE": 7, "END_SESSION": 8, "PING": 9, "STATS": 10, "LAYERS": 11,
     }
     assert set(p.OPS) == set(p.Op)
 

@@ -17,10 +17,11 @@ from kvdepot.config import load_config
 from kvdepot.errors import ConfigError
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
+from kvdepot.storage.admission import SecondHit
 from kvdepot.storage.base import CopyInto, TierStats
 from kvdepot.storage.disk import OFFSET, DiskTier
 from kvdepot.storage.host import HostTier
-from kvdepot.storage.manager import SecondHit, TierManager, TierSizes, size_tiers
+from kvdepot.storage.manager import TierManager, TierSizes, size_tiers
 from kvdepot.storage.promotions import Promotions
 from kvdepot.storage.redis_tier import RedisTier
 
@@ -196,10 +197,10 @@ def test_promotions_into_host_slots(make: Callable[..., TierManager], disk: Disk
     gate, entered = threading.Event(), threading.Event()
     get_into = disk.get_into
 
-    def slow_get_into(k: ChunkKey, out: codec.Payload) -> int | None:
+    def slow_get_into(k: ChunkKey, out: codec.Payload, *, held: int | None = None) -> int | None:
         entered.set()
         gate.wait(5)
-        return get_into(k, out)
+        return get_into(k, out, held=held)
 
     manager = make(promote_to_disk=False)
     host = HostTier(4 * 512, 512)

@@ -5,7 +5,7 @@ disk: DiskTier put/get_into of chunk-sized payloads from/into reused page-aligne
 setting); also get (new memory per call) and put of ``bytes`` (unaligned), labelled. redis: RedisTier put/get vs redis-py SET/GET
 of the same sizes on the same server (started on a free loopback port unless --remote-url is given).
 ttft: recompute vs hits from host memory, disk and Redis in the reference runtime; the lower-tier hits
-in fresh engines (empty host tier) with ``lower_tier_hits=async``. Tier and raw calls alternate chunk
+in fresh engines (empty host tier) with ``lower_tier_hits=load``. Tier and raw calls alternate chunk
 by chunk so a noisy neighbour's burst lands on both; GB/s come from the median time per chunk. Reads
 read back what the repetition wrote: O_DIRECT bypasses the page cache; buffered files are dropped from
 it first (POSIX_FADV_DONTNEED, which tmpfs ignores: the table then says the reads come from memory).
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         if "ttft" in parts:
             report.table(f"TTFT — {args.model} on CPU ({args.threads or torch.get_num_threads()} threads), {args.prompt_tokens}"
                          f"-token prompts x {args.prompts}, load avg {os.getloadavg()[0]:.1f}; disk/redis hits: fresh "
-                         "engine, lower_tier_hits=async", phase=15)
+                         "engine, lower_tier_hits=load", phase=15)
             _ttft(args, root / "ttft", url, report)
     finally:
         if server is not None:
@@ -302,7 +302,7 @@ def _ttft(args: argparse.Namespace, disk_dir: Path, url: str | None, report: Rep
 
     def engine(disk: Path | None = None, remote: str | None = None) -> Engine:
         destroy_engine()  # closes the previous engine, draining its write-behind to disk/Redis
-        set_env({**saved, "KVDEPOT_LOWER_TIER_HITS": "async", "KVDEPOT_CACHE_SALT": salt,
+        set_env({**saved, "KVDEPOT_LOWER_TIER_HITS": "load", "KVDEPOT_CACHE_SALT": salt,
                  "KVDEPOT_DISK_PATH": disk and str(disk), "KVDEPOT_REMOTE_URL": remote})
         eng = Engine(args.model, llm_args=llm_args, connector=(Sched, Worker), seed=0)
         eng.generate([prompt(min(512, args.prompt_tokens), 7)], 1)  # warm-up: kernels, allocator, tier threads

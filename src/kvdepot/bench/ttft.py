@@ -39,6 +39,7 @@ import torch
 
 from kvdepot.bench.common import device_name, memcpy_ceiling
 from kvdepot.bench.report import Report
+from kvdepot.bench.ttft_first import add_first_arguments, first_hit_rows
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,13 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers-ahead", default=None, metavar="N[,N...]",
                         help="layered loads: enqueue each layer's copies N layers ahead of the forward (default: the "
                              "engine's); several values are measured alternately in one process, --rounds times")
+    add_first_arguments(parser)
     parser.add_argument("--rounds", type=int, default=1, help="with several --layers-ahead values: rounds over them")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of TTFT vs prompt length here "
                         "(needs matplotlib: pip install 'kvdepot[bench]')")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here")
 
 
-MODES = ("in-process", "whole", "mp")  # whole: in-process, loads by layer off (KVDEPOT_LOAD_BY_LAYER)
+MODES = ("in-process", "whole", "mp", "first-redis")  # whole: loads by layer off; first-redis: ttft_first.py
 
 
 def _prompt(n: int, seed: int, vocab: int) -> list[int]:
@@ -353,7 +355,8 @@ def run(args: argparse.Namespace) -> dict:
     aheads = [int(x) for x in args.layers_ahead.split(",")] if getattr(args, "layers_ahead", None) else [None]
     rounds = max(1, getattr(args, "rounds", 1)) if len(aheads) > 1 else 1
     local = [m for m in ("in-process", "whole") if m in modes]
-    report = Report(args, steps=1 + rounds * len(aheads) * len(local) + ("mp" in modes) + 1, device=device, name="bench ttft")
+    steps = 1 + rounds * len(aheads) * len(local) + ("mp" in modes) + ("first-redis" in modes) + 1
+    report = Report(args, steps=steps, device=device, name="bench ttft")
     with report.step("memcpy ceiling"):
         h2d, d2h, _both = memcpy_ceiling(256 << 20, device, 5)
     title = f"kvdepot bench ttft — {args.model} on {device_name(device)}, memcpy H2D {h2d:.1f} GB/s D2H {d2h:.1f} GB/s"
@@ -380,6 +383,11 @@ def run(args: argparse.Namespace) -> dict:
             from kvdepot.server.stats_cmd import print_stats
 
             print_stats(url)  # the server's tier counters after the MP rows (drops, evictions, pins)
+    first: list[dict] = []
+    if "first-redis" in modes:
+        report.table("first request of a fresh engine, served from Redis (lower_tier_hits: load)", mode=11)
+        with report.step("first hits: redis"):
+            first = first_hit_rows(args, lengths, _engine, _ready, _kv_bytes_per_token(args), _free, report.add)
     report.table(f"0% reuse: {args.miss_prompts} distinct prompts of {args.miss_length} tokens, "
                  f"{args.decode_tokens} new tokens each")
     with report.step("0% reuse"):
@@ -387,5 +395,5 @@ def run(args: argparse.Namespace) -> dict:
     if args.plot:
         _plot(hits, args.plot, title)
     report.args = argparse.Namespace(json=args.json)  # the plot above is this bench's own (TTFT vs length)
-    report.finish({"title": title, "hits": hits, "misses": misses})
-    return {"title": title, "hits": hits, "misses": misses}
+    report.finish({"title": title, "hits": hits, "first_hits": first, "misses": misses})
+    return {"title": title, "hits": hits, "first_hits": first, "misses": misses}

@@ -16,6 +16,12 @@ One ``step()`` is one ``_executor_loop`` iteration (eager, reference §5.1):
    finished requests reach ``request_finished``, one iteration late, after the next forward;
    on True the request is freed and only its blocks stay pinned until the save is reported;
 5. ``get_finished(new_saving_ids, new_loading_ids)``: unpins saved blocks, unparks loaded requests.
+
+An exception raised in the forward (a layer hook, the forward-pass callable, ``wait_for_save``) is
+caught, as 1.2's executor does (reference §7.3): every active request that is not parked for a
+load ends with an error response (``Result.error``), nothing it computed is offered for device
+reuse, and the loop goes on. An exception from any other connector call propagates (1.2's loop
+stops).
 """
 
 from __future__ import annotations
@@ -162,7 +168,11 @@ class Engine:
             conn.start_batch(out, outer)
         previous, self._unprocessed = self._unprocessed, []
         if batch:
-            self._forward(batch, outer)
+            try:
+                self._forward(batch, outer)
+            except Exception as exc:  # noqa: BLE001 - 1.2 answers the requests with the error
+                failed = self._fail_active(f"{type(exc).__name__}: {exc}")
+                previous = [(r, n) for r, n in previous if r.request_id not in failed]
         # Overlap: the previous iteration's tokens reach the host now, after this forward was issued.
         self._process(previous if self.overlap else self._unprocessed)
         if not self.overlap:
@@ -325,14 +335,14 @@ class Engine:
             if req.state == State.GENERATION_COMPLETE and num_tokens == len(req.tokens):
                 self._finish(req)
 
-    def _finish(self, req: LlmRequest) -> None:
+    def _finish(self, req: LlmRequest, error: str | None = None) -> None:
         self.results[req.request_id] = Result(
             req.request_id, req.prompt_len, req.generated, req.logits,
             ttft_s=req.first_token_time - req.submit_time,  # type: ignore[operator]
             latency_s=req.finish_time - req.submit_time,  # type: ignore[operator]
             num_device_reused_tokens=req.num_device_reused_tokens,
             num_connector_matched_tokens=req.num_connector_matched_tokens,
-            connector_async_load=req.connector_async_load,
+            connector_async_load=req.connector_async_load, error=error,
         )
         block_ids = self.blocks.block_ids(req.request_id)
         if self.connector is not None and self.connector.request_finished(req, block_ids):
@@ -341,6 +351,20 @@ class Engine:
             self._pinned.add(req.request_id)
         else:
             self._release(req.request_id)
+
+    def _fail_active(self, error: str) -> set[int]:
+        """1.2's ``_handle_errors``: every active request ends with an error response (the ids
+        returned). Parked loads stay parked (they have not run; the connector reports them later)."""
+        failed = [r for r in self._active if r.state != State.DISAGG_GENERATION_TRANS_IN_PROGRESS]
+        ids = {r.request_id for r in failed}
+        self._unprocessed = [(r, n) for r, n in self._unprocessed if r.request_id not in ids]
+        self._active = [r for r in self._active if r.request_id not in ids]
+        now = time.perf_counter()
+        for req in failed:
+            req.state, req.finish_time = State.GENERATION_COMPLETE, now
+            req.first_token_time = req.first_token_time or now
+            self._finish(req, error)
+        return ids
 
     def _release(self, request_id: int) -> None:
         self.blocks.free(request_id)

@@ -168,6 +168,7 @@ class Result:
     num_device_reused_tokens: int  # prompt tokens found in the pool (block-aligned)
     num_connector_matched_tokens: int  # prompt tokens the connector said it would load
     connector_async_load: bool
+    error: str | None = None  # an error response: the step's forward raised (reference §7.3)
 
     @property
     def num_cached_tokens(self) -> int:

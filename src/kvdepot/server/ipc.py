@@ -12,8 +12,10 @@ Two interprocess events order the copies (created ``DisableTiming | Interprocess
 waited on by the server's stream before copying; ``to_client`` is recorded by the server after
 a load and waited on by the client's forward stream once the reply is in. A cross-layer pool also
 exports one event per layer: for a RETRIEVE by layer the server records layer ``l``'s event once
-layer ``l`` of every block is copied, all of them before it replies, and the client's forward
-waits on each right before that layer's attention (``ServerLayeredLoad``). cuda-python and cupy
+layer ``l`` of every block is copied, and the client's forward waits on each right before that
+layer's attention (``ServerLayeredLoad``) — but never before the server has said that layer is
+recorded for this load: all of them before the reply, or, for a load answered early, as LAYERS
+replies tell (``layer_progress``). cuda-python and cupy
 are imported lazily, so CPU-only installs never need them.
 
 CPU: a pool inside a shared file (``torch.from_file(path, shared=True)``, e.g. /dev/shm) is
@@ -24,17 +26,19 @@ file mapped. Any other CPU pool sends its blocks over the socket ("bytes").
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
 import stat
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvdepot.errors import KVDepotError
+from kvdepot.server.layer_progress import FencedFailure
 from kvdepot.server.protocol import BytesPool, CudaIpcPool, PoolDesc, ShmPool
 from kvdepot.transfer.layered import LayerWaits
 
@@ -110,9 +114,10 @@ class ExportedPool:
         """Whether the server can signal a load layer by layer (a CUDA pool with layer events)."""
         return bool(self._layer_events)
 
-    def layered_load(self) -> ServerLayeredLoad:
-        """The waits of a load the server answered ``by_layer``: its layer events are recorded."""
-        return ServerLayeredLoad(self._layer_events, self.pool.device)
+    def layered_load(self, progress: Callable[[int], None] | None = None, ready: int | None = None) -> ServerLayeredLoad:
+        """The waits of a load the server answered ``by_layer``: its layer events are recorded, or,
+        with ``progress``, layers ``0..ready-1`` are, and layer ``l`` is once ``progress(l)`` returns."""
+        return ServerLayeredLoad(self._layer_events, self.pool.device, progress, ready)
 
     def before_copy(self, stream: Any) -> bool:
         """Record ``to_server`` on the caller's stream: the server's copy starts after it."""
@@ -139,14 +144,27 @@ class ExportedPool:
 
 class ServerLayeredLoad(LayerWaits):
     """A load the server copied layer by layer: the client's stream waits on layer ``l``'s
-    interprocess event, which the server recorded after layer ``l``'s copies and before its reply
-    (so a wait never meets an event not yet recorded for this load)."""
+    interprocess event, which the server recorded after layer ``l``'s copies — before its reply,
+    or (``progress``) before ``progress(l)`` returns, which raises ``TransferFailed`` where it
+    never will be — so a wait never meets an event not yet recorded for this load."""
 
-    def __init__(self, events: Sequence[Any], device: torch.device) -> None:
+    def __init__(self, events: Sequence[Any], device: torch.device,
+                 progress: Callable[[int], None] | None = None, ready: int | None = None) -> None:
         super().__init__(len(events))
-        self._events, self._device = events, device
+        self._events, self._device, self._progress = events, device, progress
+        self.ready_at_reply = len(events) if ready is None else ready  # layers recorded when the reply came
 
     def _wait(self, layer: int, stream: Any) -> None:
+        if self._progress is not None:
+            try:
+                self._progress(layer)
+            except FencedFailure:  # the last event follows every copy that went: none lands later
+                with contextlib.suppress(IpcError):
+                    self._wait_event(self.num_layers - 1, stream)
+                raise
+        self._wait_event(layer, stream)
+
+    def _wait_event(self, layer: int, stream: Any) -> None:
         runtime, _ = _cuda()
         _check(runtime.cudaStreamWaitEvent(_stream_ptr(stream, self._device), self._events[layer], 0), "cudaStreamWaitEvent")
 
@@ -247,10 +265,14 @@ class MappedPool:
     def signal_layers(self, load: LayerWaits) -> None:
         """Record layer ``l``'s event once ``load``'s layer ``l`` is in, for every layer: this
         stream waits for each layer in turn (which also enqueues a lazy load to the end)."""
-        runtime, _ = _cuda()
-        for layer, event in enumerate(self.layer_events):
+        for layer in range(len(self.layer_events)):
             load.wait_layer(layer, self.stream)
-            _check(runtime.cudaEventRecord(event, int(self.stream.cuda_stream)), "cudaEventRecord")  # type: ignore[union-attr]
+            self.record_layer(layer)
+
+    def record_layer(self, layer: int) -> None:
+        """Record layer ``layer``'s event on this stream (after the wait for that layer's copies)."""
+        runtime, _ = _cuda()
+        _check(runtime.cudaEventRecord(self.layer_events[layer], int(self.stream.cuda_stream)), "cudaEventRecord")  # type: ignore[union-attr]
 
     def remove_file(self) -> bool:
         """Unlink the shared file, if its path still names the file that was mapped (never a

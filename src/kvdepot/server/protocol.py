@@ -20,6 +20,7 @@ Operations (ids are frozen: never renumbered, never reused; add new ones at the 
     8 END_SESSION  release everything the session holds
     9 PING         liveness; the reply names the server instance (a restart changes it)
    10 STATS        live figures of every shard
+   11 LAYERS       a load by layer answered early: how many of its layer events are recorded
 
 Chunk keys travel as one ``bytes`` of concatenated 16-byte keys. Hot messages are array-like
 msgpack with defaults omitted: new optional fields go last, with defaults. Encoding and frame
@@ -56,6 +57,7 @@ class Op(IntEnum):
     END_SESSION = 8
     PING = 9
     STATS = 10
+    LAYERS = 11
 
 
 class ErrorCode(IntEnum):
@@ -208,12 +210,29 @@ class Retrieve(msgspec.Struct, **_HOT):
     synced: bool = False
     by_layer: bool = False  # copy layer by layer and record the pool's layer events (CUDA IPC pools)
     lease_token: bytes = b""  # lease_session's token (its LOOKUP replies carry it); needed unless it is this session
+    early: bool = False  # by_layer: the client asks LAYERS, so the server may reply before every layer is recorded
 
 
 class RetrieveReply(msgspec.Struct, **_HOT):
     end_tokens: int  # tokens from 0 valid in the pool afterwards
     loaded_blocks: int
     by_layer: bool = False  # the layer events were recorded (not to_client_event): wait on them per layer
+    load_id: int = 0  # by_layer and not 0: only layers 0..layers_ready-1 are recorded yet; ask LAYERS for more
+    layers_ready: int = 0
+
+
+class Layers(msgspec.Struct, **_HOT):
+    """Answered once layer ``through`` of load ``load_id`` has its event recorded (or the load
+    failed, or the server's wait ran out: then with what is recorded so far)."""
+
+    load_id: int
+    through: int
+
+
+class LayersReply(msgspec.Struct, **_HOT):
+    recorded: int  # layers 0..recorded-1 have their events recorded for this load
+    failed: str = ""  # not empty: no layer from ``recorded`` on will be; those blocks hold no valid KV
+    fenced: bool = False  # failed, and the last layer's event was recorded after every copy that was enqueued
 
 
 class Release(msgspec.Struct, **_HOT):
@@ -280,6 +299,7 @@ class DepotProtocol(Protocol):
     def end_session(self, peer: bytes, msg: EndSession, payloads: Payloads) -> Reply: ...
     def ping(self, peer: bytes, msg: Ping, payloads: Payloads) -> Reply: ...
     def stats(self, peer: bytes, msg: GetStats, payloads: Payloads) -> Reply: ...
+    def layers(self, peer: bytes, msg: Layers, payloads: Payloads, *, wait: bool = True) -> Reply: ...
 
 
 class WouldBlock(Exception):  # noqa: N818 - a signal between the loop and a handler, not an error
@@ -309,7 +329,7 @@ INLINE_KEYS = 2048  # a LOOKUP with more keys runs on the pool: the loop thread 
 _INT, _HDR, _ID = 9, 5, 5
 _KEYS = _HDR + MAX_KEYS * 16
 _SMALL = 64  # a body of a few ints
-_COPY = _HDR + _KEYS + _HDR + MAX_BLOCKS * _ID + 6 * _INT + 3
+_COPY = _HDR + _KEYS + _HDR + MAX_BLOCKS * _ID + 6 * _INT + 4
 
 
 @dataclass(frozen=True)
@@ -344,6 +364,7 @@ OPS: dict[int, OpSpec] = {spec.op: spec for spec in (
     OpSpec(Op.END_SESSION, EndSession, Empty, "end_session", Exec.POOL, _SMALL),
     OpSpec(Op.PING, Ping, Pong, "ping", Exec.INLINE, _SMALL, _SMALL),
     OpSpec(Op.STATS, GetStats, StatsReply, "stats", Exec.POOL, _SMALL),
+    OpSpec(Op.LAYERS, Layers, LayersReply, "layers", Exec.TRY_INLINE, _SMALL, _SMALL),
 )}
 OP_OF: dict[type[msgspec.Struct], int] = {spec.request: op for op, spec in OPS.items()}
 assert len(OP_OF) == len(OPS), "every operation needs its own request type"

@@ -37,6 +37,8 @@ Ordering on CUDA (see ``ipc``): before each copy the client records ``to_server`
 caller's stream, so the server copies only after the forward pass's work on those blocks; a
 load's reply arrives once the copy is *enqueued*, and the caller's stream then waits on
 ``to_client`` — the forward pass reads after the load without the host waiting for the copy.
+A load by layer is answered once its first layer is enqueued (``layer_progress``): the forward's
+wait for layer ``l`` first learns (LAYERS) that the server recorded layer ``l``'s event for it.
 A store's reply arrives once the copy has *completed*, and only then is the store done, so
 blocks handed back to the engine are never read by the server afterwards. Mapped-pool copies
 carry a deadline at half the call timeout: the server refuses to start a copy the client may
@@ -48,7 +50,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -63,6 +65,7 @@ from kvdepot.server import wire as w
 from kvdepot.server.client import DepotClient, ServerError, ServerUnavailable
 from kvdepot.server.copies import AnyLease, CopyHandle, on_stream, wire_lease
 from kvdepot.server.ipc import ExportedPool, export_pool, frame_tensor
+from kvdepot.server.layer_progress import RemoteProgress
 from kvdepot.server.recent_prompts import RecentPrompts
 from kvdepot.transfer.layered import LayerWaits
 
@@ -299,7 +302,7 @@ class RemoteEngine:
         ids = list(block_ids)
         by_layer = by_layer and self.exported.layered
         msg = p.Retrieve(w.join_keys(keys), ids, skip_blocks, num_blocks, session, rid, self._deadline(),
-                         self.exported.before_copy(stream), by_layer, token)
+                         self.exported.before_copy(stream), by_layer, token, early=by_layer)
         bulk = len(ids) * self._base.bytes_per_block if self.exported.kind == "bytes" else 0
         handle = CopyHandle(self.client.submit(msg, timeout=self._bulk_timeout(bulk)), fallback=fallback)
 
@@ -311,13 +314,23 @@ class RemoteEngine:
             elif reply.by_layer:
                 if not by_layer:  # its events would say nothing about this load
                     raise ValueError("the server answered by layer a load not asked for by layer")
-                handle.layered = self.exported.layered_load()
+                handle.layered = self.exported.layered_load(self._progress(reply), reply.layers_ready if reply.load_id else None)
             else:
                 self.exported.after_load(stream)
             return reply.end_tokens
 
         handle._finish = finish
         return handle
+
+    def _progress(self, reply: p.RetrieveReply) -> Callable[[int], None] | None:
+        """For a load answered early (``load_id``): what the forward's wait for layer ``l`` first
+        calls, so it never waits on an event the server has not recorded for this load yet."""
+        if not reply.load_id:
+            return None  # every layer's event was recorded before the reply
+        load_id = reply.load_id
+        follow = RemoteProgress(lambda through: self.client.submit(p.Layers(load_id, through)),
+                                reply.layers_ready, self._base.num_layers, self.client.timeout_s)
+        return follow.through
 
     def _bulk_timeout(self, nbytes: int) -> float:
         return self.client.timeout_s + nbytes / 1e9  # bytes-mode payloads: allow ~1 GB/s on top

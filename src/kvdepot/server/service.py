@@ -33,6 +33,7 @@ from kvdepot.keys import KEY_BYTES
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
 from kvdepot.server.ipc import IpcError, frame_tensor
+from kvdepot.server.layer_progress import LayerProgress, LoadBook, start_early
 from kvdepot.server.protocol import ErrorCode, ProtocolError
 from kvdepot.server.registry import Registry
 from kvdepot.server.session import Registration, Session
@@ -56,6 +57,8 @@ class DepotService:
         self.events = publisher_from_config(config)  # one KV-event publisher for every engine here
         self.registry = Registry(config, allow_shm=self.allow_shm, events=self.events)  # groups, host budget
         self._sids = itertools.count(1)
+        self._load_ids = itertools.count(1)  # loads by layer answered early (LAYERS names them)
+        self.layer_loads = LoadBook()
         self._handlers = p.bind(self)  # every operation's handler, looked up once
 
     # ---- dispatch -----------------------------------------------------------------------------
@@ -150,6 +153,7 @@ class DepotService:
 
     def _close(self, session: Session, drain_s: float = 30.0, *, reaped: bool = False) -> None:
         reg = session.close(drain_s, reaped=reaped)
+        self.layer_loads.drop(session.sid)
         if reg is not None:
             self.registry.leave(reg)
 
@@ -233,6 +237,7 @@ class DepotService:
     def retrieve(self, peer: bytes, msg: p.Retrieve, payloads: p.Payloads) -> p.Reply:
         session = self._session(peer)
         reg = session.begin_op()
+        early: list[tuple[int, int]] = []  # (load id, layers recorded) of a load answered early
         try:
             keys = self._check_copy(msg.keys, msg.block_ids)
             if msg.skip_blocks < 0 or (msg.num_blocks is not None and msg.num_blocks < 0):
@@ -252,9 +257,12 @@ class DepotService:
             def signal(load: LayerWaits | None) -> None:  # what the client's stream will wait on
                 if load is None:
                     reg.pool.signal_client()
+                elif msg.early:
+                    early.append(self._answer_early(session, reg, load, msg.deadline_ns))
                 else:
+                    reg.shard.issuer.drain()  # an early load's records of these events come first
                     reg.pool.signal_layers(load)
-                    layered.append(True)
+                layered.append(load is not None)
 
             by_layer = msg.by_layer and bool(reg.pool.layer_events)  # one per layer (checked at REGISTER)
             with _device(reg.pool.tensor):
@@ -262,9 +270,32 @@ class DepotService:
                 end = reg.shard.retrieve(reg.pool.tensor, keys, msg.block_ids, msg.skip_blocks, msg.num_blocks, lease,
                                          stream=reg.pool.stream, after=signal, by_layer=by_layer,
                                          deadline_ns=msg.deadline_ns)
-            return p.RetrieveReply(end, max(0, end // B - msg.skip_blocks), bool(layered)), []
+            load_id, ready = early[0] if early else (0, 0)
+            return p.RetrieveReply(end, max(0, end // B - msg.skip_blocks), any(layered), load_id, ready), []
         finally:
-            session.end_op()
+            if not early:  # an early load's op ends on the issuer, once its last layer is recorded
+                session.end_op()
+
+    def _answer_early(self, session: Session, reg: Registration, load: LayerWaits, deadline_ns: int) -> tuple[int, int]:
+        """Record what can be now, leave the rest to the shard's issuer (``layer_progress``): the
+        reply goes before the load's later layers are enqueued. Runs under the shard's lock."""
+        progress = LayerProgress(next(self._load_ids), load.num_layers, deadline_ns)
+        pool = reg.pool
+        start_early(load, progress, reg.shard.issuer, pool.record_layer, pool.stream, session.end_op,
+                    lambda: _device(pool.tensor))  # type: ignore[arg-type]
+        self.layer_loads.add(session.sid, progress)
+        return progress.load_id, progress.recorded
+
+    def layers(self, peer: bytes, msg: p.Layers, payloads: p.Payloads, *, wait: bool = True) -> p.Reply:
+        """How far an early-answered load's layer events are recorded; waits (on the pool) until
+        layer ``through`` is, the load ends, or ``layer_progress.MAX_WAIT_S`` passes."""
+        session = self._session(peer)
+        progress = self.layer_loads.get(session.sid, msg.load_id)
+        if progress is None:
+            raise ProtocolError(ErrorCode.UNKNOWN_REQUEST, f"no layered load {msg.load_id} in {session}")
+        if not wait and not progress.past(msg.through):
+            raise p.WouldBlock
+        return p.LayersReply(*progress.wait_past(msg.through)), []
 
     def _lease(self, session: Session, msg: p.Retrieve) -> tuple[str, int, int] | None:
         """The lease a RETRIEVE names: this session's, or another's whose token it carries."""

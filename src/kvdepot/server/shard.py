@@ -33,6 +33,7 @@ from kvdepot.events.base import NULL_SINK
 from kvdepot.events.publisher import KVEventPublisher
 from kvdepot.keys import ChunkHasher, ChunkKey
 from kvdepot.layout import PoolLayout
+from kvdepot.server.layer_progress import LayerIssuer
 from kvdepot.server.protocol import ErrorCode, ProtocolError, Register, mp_namespace
 from kvdepot.storage.host import Budget
 from kvdepot.transfer.layered import LayerWaits
@@ -54,6 +55,7 @@ class Shard:
         self.engine = CacheEngine(layout, config, namespace=namespace, events=events)
         self.engine.host.share_budget(group.budget)  # the server's one host budget, for every group
         self.lock = threading.Lock()
+        self.issuer = LayerIssuer(f"kvdepot-layers-{rank}")  # loads answered early: the rest of their layers
         self._attached: torch.Tensor | None = None
         self._placeholder = torch.empty(
             (1, layout.num_layers, layout.kv_factor, layout.block_elems), dtype=layout.dtype, device="meta"
@@ -89,6 +91,7 @@ class Shard:
 
     def close(self) -> None:
         """Finish the engine's work and give its host memory back to the server's budget."""
+        self.issuer.close()
         self.engine.close()
         self.engine.host.close()
 

@@ -6,6 +6,9 @@
   storing the same chunk publish it once.
 * **Verified reads.** A file whose header or checksum does not match (flipped byte, truncation,
   another namespace's object, garbage) is a miss; it is deleted and counted in ``corrupt``.
+* **Held reads.** ``hold(keys)`` opens objects when a hit is promised; ``get_into(held=fd)``
+  reads them later even if they were evicted or replaced meanwhile (an unlinked file's bytes stay
+  readable through an open descriptor), still verified.
 * **Restart.** The index is rebuilt from file names and sizes (LRU order from mtimes, which hits
   refresh); contents are validated lazily, on the first read. Temp files whose writer is gone are
   removed; a live writer's are left alone.
@@ -30,16 +33,19 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
 
 from kvdepot.events.base import NULL_SINK, EventSink, Medium
-from kvdepot.keys import KEY_BYTES, ChunkKey
+from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec, disk_io
 from kvdepot.storage.codec import Payload
 from kvdepot.storage.disk_budget import SharedBudget
 from kvdepot.storage.disk_io import ALIGN, O_DIRECT, OFFSET, ObjectFiles, probe_o_direct
+from kvdepot.storage.disk_scan import objects as _objects
+from kvdepot.storage.disk_scan import stat_all as _stat_all
+from kvdepot.storage.disk_scan import temp_owner as _temp_owner
 from kvdepot.storage.policy import POLICIES
 from kvdepot.storage.tier_stats import ByteTierStats
 
@@ -49,47 +55,6 @@ logger = logging.getLogger("kvdepot")
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 _SPACE_RETRIES = 4  # evict-and-retry rounds for one write on a full filesystem
-_HEX = frozenset("0123456789abcdef")
-
-
-def _is_hex(name: str, n: int) -> bool:
-    return len(name) == n and set(name) <= _HEX
-
-
-def _objects(base: Path) -> Iterator[tuple[os.DirEntry[str], bool]]:
-    """Every chunk file and temp file under ``base`` (all namespaces): (entry, is_temp)."""
-    for ns in os.scandir(base):
-        if not (_is_hex(ns.name, 32) and ns.is_dir(follow_symlinks=False)):
-            continue
-        for shard in os.scandir(ns.path):
-            if shard.name.endswith(".tmp"):
-                yield shard, True  # an O_DIRECT probe
-            elif _is_hex(shard.name, 2) and shard.is_dir(follow_symlinks=False):
-                for entry in os.scandir(shard.path):
-                    if entry.name.endswith(".tmp"):
-                        yield entry, True
-                    elif _is_hex(entry.name, 2 * KEY_BYTES) and entry.is_file(follow_symlinks=False):
-                        yield entry, False
-
-
-def _stat_all(base: Path) -> Iterator[tuple[str, os.stat_result]]:
-    """(path, stat) of every chunk file under ``base``; one removed meanwhile is skipped."""
-    for entry, temp in _objects(base):
-        if not temp:
-            try:
-                yield entry.path, entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-
-
-def _temp_owner(name: str) -> str:
-    """The claim id in a temp file's name (``.<key>.<claim>.tmp``, ``.probe-<claim>.tmp``); ""
-    for a name from before claims (their writer cannot be told apart: removed only when alone)."""
-    stem = name[1:-4]
-    owner = stem.rsplit(".", 1)[-1] if "." in stem else stem.removeprefix("probe-")
-    return owner if _is_hex(owner, 32) else ""
-
-
 class DiskTier:
     """Chunk objects of one namespace in a directory shared under one ``capacity_bytes`` budget."""
 
@@ -248,22 +213,35 @@ class DiskTier:
         payload = self._get(key, None)
         return None if payload is None else payload.toreadonly()
 
-    def get_into(self, key: ChunkKey, out: Payload) -> int | None:
+    def get_into(self, key: ChunkKey, out: Payload, *, held: int | None = None) -> int | None:
         """Read ``key``'s verified payload into the writable buffer ``out`` (e.g. a host-arena slot;
         page-aligned lets O_DIRECT fill it in place): its length, or None on a miss (``out``'s
         contents are then undefined). A corrupt object is deleted and counted. ValueError if the
-        payload is longer than ``out``."""
-        payload = self._get(key, memoryview(out).cast("B"))
+        payload is longer than ``out``. ``held``: the descriptor ``hold`` gave for ``key`` (read
+        even if the object was evicted since; closed here)."""
+        payload = self._get(key, memoryview(out).cast("B"), held)
         return None if payload is None else payload.nbytes
 
-    def _get(self, key: ChunkKey, out: memoryview | None) -> memoryview | None:
+    def hold(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        """Open ``keys``' objects now (None where absent), so that a read promised from them still
+        finds their bytes after an eviction: an unlinked file stays readable through an open
+        descriptor. Each descriptor goes to ``get_into(held=)`` or ``let_go`` exactly once."""
         with self._lock:
-            if key not in self._sizes:
+            paths = [self._path(key) if key in self._sizes else None for key in keys]
+        return [None if path is None else self._io.open(path) for path in paths]
+
+    let_go = staticmethod(disk_io.close_all)  # descriptors from ``hold`` that no read took
+
+    def _get(self, key: ChunkKey, out: memoryview | None, held: int | None = None) -> memoryview | None:
+        with self._lock:
+            if key not in self._sizes and held is None:
                 self._stats.misses += 1
                 return None
-            self._policy.touch(key)
+            if key in self._sizes:
+                self._policy.touch(key)
         path = self._path(key)
-        payload, fault = self._io.read(path, key, out)
+        inode = disk_io.inode(held)
+        payload, fault = self._io.read(path, key, out, held)
         if payload is not None:
             with suppress(OSError):
                 os.utime(path)  # recency other processes (and a restart) can see
@@ -274,7 +252,8 @@ class DiskTier:
         with self._budget.locked() as budget, self._lock:
             self._stats.misses += 1
             self._stats.errors += fault == disk_io.ERROR
-            if key in self._sizes and key not in self._writing:
+            if key in self._sizes and key not in self._writing and (inode is None or inode == disk_io.inode(path)):
+                # (a held object that was replaced since says nothing of the file there now)
                 if fault == disk_io.CORRUPT:
                     self._stats.corrupt += 1
                     self._unlink(budget, path)

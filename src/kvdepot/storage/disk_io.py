@@ -23,7 +23,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import suppress
 
@@ -60,6 +60,22 @@ def _write_at(fd: int, views: list[memoryview], offset: int) -> None:
     total = sum(view.nbytes for view in views)
     if _transfer(os.pwritev, fd, views, offset, total) < total:
         raise OSError(errno.EIO, "short write")
+
+
+def close_all(fds: Sequence[int | None]) -> None:
+    """Close the descriptors (None entries skipped)."""
+    for fd in fds:
+        if fd is not None:
+            with suppress(OSError):
+                os.close(fd)
+
+
+def inode(where: int | str | None) -> int | None:
+    """The inode of a descriptor or a path (None: none given, or gone)."""
+    try:
+        return None if where is None else (os.fstat(where) if isinstance(where, int) else os.lstat(where)).st_ino
+    except OSError:
+        return None
 
 
 def probe_o_direct(directory: str | os.PathLike[str], tag: str = "probe") -> bool:
@@ -239,18 +255,28 @@ class ObjectFiles:
             valid = verdict.result()
         return (dst, None) if valid else (None, CORRUPT)
 
-    def read(self, path: str, key: ChunkKey, out: memoryview | None) -> tuple[memoryview | None, str | None]:
+    def open(self, path: str) -> int | None:
+        """A descriptor of the object at ``path`` for a later ``read(fd=...)``, or None (absent,
+        unreadable): an object unlinked meanwhile (evicted, replaced) stays readable through it."""
+        try:
+            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | (O_DIRECT if self.o_direct else 0))
+        except OSError:
+            return None
+
+    def read(self, path: str, key: ChunkKey, out: memoryview | None, fd: int | None = None) -> tuple[memoryview | None, str | None]:
         """(payload in ``out``, or in fresh memory when ``out`` is None; None) when valid, else
         (None, ``CORRUPT`` | ``GONE`` | ``ERROR``: unreadable). ValueError if a valid object does
-        not fit in ``out``."""
+        not fit in ``out``. ``fd``: the object as ``open`` found it (read instead of ``path``, and
+        closed here)."""
         direct = self.o_direct
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | (O_DIRECT if direct else 0))
-        except FileNotFoundError:
-            return None, GONE
-        except OSError as exc:
-            logger.warning("disk tier %s: cannot open %s (%s)", self.where, key.hex(), exc)
-            return None, ERROR
+        if fd is None:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | (O_DIRECT if direct else 0))
+            except FileNotFoundError:
+                return None, GONE
+            except OSError as exc:
+                logger.warning("disk tier %s: cannot open %s (%s)", self.where, key.hex(), exc)
+                return None, ERROR
         try:
             size = os.fstat(fd).st_size
             n = size - OFFSET

@@ -4,9 +4,12 @@ Primitives (keys are ``ChunkKey``s; payloads are a chunk's exact bytes):
     find(keys) -> int                  consecutive chunks from keys[0] held by some lower tier
     promote(keys, reserve) -> Future[int]  background: for each chunk ``reserve(key)`` offers a
                                        target (see ``Reserve``); the chunk is read from the highest
-                                       tier holding it straight into the target, then ``done(ok)``;
-                                       stops at the first miss or refusal; the result is the count
-                                       placed (or already there)
+                                       tier holding it straight into the target (a copy that fails
+                                       its checksum: from the next tier), then ``done(ok)``; stops
+                                       at the first miss or refusal; the result is the count placed
+                                       (or already there). The disk's objects are opened in the
+                                       call (``DiskTier.hold``): one evicted before its read is
+                                       still read
     write_behind(key, provider) -> bool  enqueue copies of a chunk committed to host memory;
                                        False when dropped (queue full, closed); never blocks
     note_hits(keys)                    chunks reused from host memory: sightings for admission
@@ -45,6 +48,7 @@ from kvdepot.config import DepotConfig
 from kvdepot.errors import ConfigError
 from kvdepot.events.base import NULL_SINK, EventSink
 from kvdepot.keys import ChunkKey
+from kvdepot.storage.admission import ADMISSION
 from kvdepot.storage.base import Tier, TierStats
 from kvdepot.storage.codec import Payload
 from kvdepot.storage.disk import OFFSET as DISK_OVERHEAD
@@ -73,28 +77,14 @@ class LowerTier(Tier, Protocol):
     def close(self) -> None: ...
 
 
-# ---- admission ------------------------------------------------------------------------------
-class AlwaysAdmit:
-    def admit(self, key: ChunkKey) -> bool:
-        return True
+class HoldingTier(LowerTier, Protocol):
+    """A lower tier whose objects can be opened ahead of their read (the disk: ``DiskTier``)."""
 
+    def hold(self, keys: Sequence[ChunkKey]) -> list[int | None]: ...
 
-class SecondHit:
-    """Admit a chunk from its second sighting on; remembers the last ``memory`` keys seen."""
+    def let_go(self, held: Sequence[int | None]) -> None: ...
 
-    def __init__(self, hits: int = 2, memory: int = 1 << 16) -> None:
-        self.hits, self.memory = hits, memory
-        self._seen: OrderedDict[ChunkKey, int] = OrderedDict()
-
-    def admit(self, key: ChunkKey) -> bool:
-        count = self._seen.pop(key, 0) + 1
-        self._seen[key] = count
-        if len(self._seen) > self.memory:
-            self._seen.popitem(last=False)
-        return count >= self.hits
-
-
-ADMISSION: dict[str, type[AlwaysAdmit] | type[SecondHit]] = {"always": AlwaysAdmit, "second_hit": SecondHit}
+    def get_into(self, key: ChunkKey, out: Payload, *, held: int | None = None) -> int | None: ...
 
 
 # ---- sizing ---------------------------------------------------------------------------------
@@ -144,7 +134,7 @@ class TierManager:
 
     def __init__(
         self,
-        disk: LowerTier | None = None,
+        disk: HoldingTier | None = None,
         remote: LowerTier | None = None,
         *,
         admission: str = "always",
@@ -218,45 +208,66 @@ class TierManager:
     def promote(self, keys: Sequence[ChunkKey], reserve: Reserve) -> Future[int]:
         """Read ``keys``' payloads into the targets ``reserve`` offers, in order, in the background;
         the count placed."""
+        keys = list(keys)
+        held = self.disk.hold(keys) if self.disk is not None else [None] * len(keys)
         with self._lock:
             if not self._closing:
-                return self._pool.submit(self._promote, list(keys), reserve)
+                return self._pool.submit(self._promote, keys, reserve, held)
+        if self.disk is not None:
+            self.disk.let_go(held)
         done: Future[int] = Future()
         done.set_result(0)
         return done
 
-    def _promote(self, keys: list[ChunkKey], reserve: Reserve) -> int:
+    def _promote(self, keys: list[ChunkKey], reserve: Reserve, held: list[int | None]) -> int:
         count = 0
-        for key in keys:
-            target = reserve(key)
-            if target is None:
-                break
-            view, done = target
-            view = None if view is None else memoryview(view).cast("B")
-            found = None
-            try:
-                found = None if view is None else self._read_into(key, view)
-            finally:
-                done(view is None or found is not None)  # frees the target on any failure
-            if view is not None and found is None:
-                break
-            count += 1
-            if found is not None and found[0] and self.promote_to_disk:
-                level, payload = found
-                self._enqueue(key, _held(payload), tuple(self.tiers[:level]), internal=True)
+        try:
+            for i, key in enumerate(keys):
+                target = reserve(key)
+                if target is None:
+                    break
+                view, done = target
+                view = None if view is None else memoryview(view).cast("B")
+                found, fd, held[i] = None, held[i], None
+                try:
+                    if view is not None:
+                        taken, fd = fd, None  # _read_into closes it
+                        found = self._read_into(key, view, taken)
+                finally:
+                    done(view is None or found is not None)  # frees the target on any failure
+                    if fd is not None and self.disk is not None:
+                        self.disk.let_go([fd])
+                if view is not None and found is None:
+                    break
+                count += 1
+                if found is not None and found[0] and self.promote_to_disk:
+                    level, payload = found
+                    self._enqueue(key, _held(payload), tuple(self.tiers[:level]), internal=True)
+        finally:
+            if self.disk is not None:
+                self.disk.let_go(held)  # the chunks after a miss, a refusal or an error
         with self._lock:
             self._stats.promoted += count
         return count
 
-    def _read_into(self, key: ChunkKey, view: memoryview) -> tuple[int, Payload] | None:
+    def _read_into(self, key: ChunkKey, view: memoryview, held: int | None = None) -> tuple[int, Payload] | None:
         """(level of the tier read, payload for copies to higher tiers) once ``view`` holds
-        ``key``'s verified payload of exactly ``view``'s length; None if no tier has it so."""
+        ``key``'s verified payload of exactly ``view``'s length; None if no tier has it so (a
+        copy that is missing or fails its checksum: the next tier is tried). ``held``: the disk's
+        descriptor for ``key`` (``DiskTier.hold``), always closed."""
         for level, tier in enumerate(self.tiers):
             try:
-                if tier.get_into(key, view) == view.nbytes:
+                if tier is self.disk:
+                    fd, held = held, None  # get_into closes it
+                    got = self.disk.get_into(key, view, held=fd)
+                else:
+                    got = tier.get_into(key, view)
+                if got == view.nbytes:
                     return level, (bytes(view) if level else view)  # copies to higher tiers
             except ValueError:  # longer than a chunk: not this engine's chunk
                 pass
+        if held is not None and self.disk is not None:
+            self.disk.let_go([held])
         return None
 
     # ---- write-behind ----------------------------------------------------------------------

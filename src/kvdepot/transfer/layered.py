@@ -14,7 +14,8 @@ engine still has the next layers queued while the forward runs.
 
 Never silently wrong: a stream is made to wait for layer ``l`` only after ``events[l]`` has been
 recorded (waiting for an event never recorded passes at once), and a failed enqueue raises
-``TransferFailed`` from every later wait.
+``TransferFailed`` from every later wait — after making the waiting stream wait for the copies
+that were enqueued, so none lands in a block after the forward gave it up.
 """
 
 from __future__ import annotations
@@ -65,6 +66,14 @@ class LayerWaits:
         """Every layer was waited for, in order: nothing read a layer before its copies ended."""
         return self.waited == self.num_layers
 
+    def abandon(self, reason: BaseException) -> None:
+        """Enqueue nothing more of this load (its waiter has given up: a copy now could race the
+        blocks' next owner); later waits raise ``TransferFailed``. No-op where all is enqueued."""
+
+    def wait_enqueued(self, stream: Any) -> None:
+        """Make ``stream`` wait for every copy of this load enqueued so far: after a failure, the
+        copies that did go must not land in blocks already handed to their next owner."""
+
     def _wait(self, layer: int, stream: Any) -> None:
         raise NotImplementedError
 
@@ -110,8 +119,22 @@ class LayeredLoad(LayerWaits):
                 self._on_issued(None)
 
     def _wait(self, layer: int, stream: Any) -> None:
-        self.issue_through(layer + 1 + self.ahead)
+        try:
+            self.issue_through(layer + 1 + self.ahead)
+        except TransferFailed:
+            self.wait_enqueued(stream)  # the forward stops here; what did go lands before its next use
+            raise
         stream.wait_event(self.events[layer])
+
+    def wait_enqueued(self, stream: Any) -> None:
+        stream.wait_stream(self._side)
+
+    def abandon(self, reason: BaseException) -> None:
+        with self._lock:
+            if self._failed is not None or self.issued == len(self.events):
+                return
+            self._failed, self._layers = reason, iter(())
+            self._on_issued(reason)  # unpinned once what was enqueued has run
 
     def finish(self) -> None:
         """Enqueue every remaining layer (nothing waits): shutdown, or a forward that stopped early."""

@@ -27,5 +27,6 @@ class KvDepotMetadata:
 
     requests: list[RequestMeta] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
+    new_request_ids: list[int] = field(default_factory=list)  # the step's new_requests (scheduled now)
     lease_session: int = 0  # server mode: the scheduler's session, which holds the lookups' leases
     lease_token: bytes = b""  # ... and its token: without it the server refuses other ranks' loads

@@ -8,11 +8,13 @@
 The engine comes from the provider (``providers.py``): in-process, the ``CacheEngine`` the worker
 registered; in server mode, the worker's ``RemoteEngine`` (LOOKUP + QUERY_PREFETCH_STATUS answer
 ``probe``, and every TP rank must hold a chunk for it to count). Either way the answer is "no hit"
-until the worker has registered. A hit in host memory loads synchronously; one still being
-promoted from disk/Redis counts only its host part (``lower_tier_hits: prefetch``, the default),
-or is promised whole with ``is_async=True`` (``lower_tier_hits: async``): TensorRT-LLM parks the
-request and the worker reports it through ``get_finished`` once loaded. A load is never promised
-bytes that then fail to arrive.
+until the worker has registered. A hit in host memory loads synchronously. A hit partly below host memory (disk,
+Redis), with ``lower_tier_hits: load`` (the default), is promised whole with ``is_async=True``:
+TensorRT-LLM parks the request while the probe's promotion reads the rest into host slots pinned
+under the request's lease, and the worker reports it through ``get_finished`` once loaded. A
+promise that still comes up short fails that request with an error, never wrong KV (worker.py,
+docs/tiers.md). With ``prefetch`` only the host part is promised; the rest is promoted for later
+requests.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         state = _SchedRequest(getattr(request, "prompt_len", len(tokens)), engine.chunk_keys(tokens), tokens=tokens)
         self._requests[rid] = state
         hit = engine.probe(state.keys, skip_tokens=num_computed_tokens, lease=Lease(rid))
-        usable = hit.tokens if engine.config.lower_tier_hits == "async" else hit.host_tokens
+        usable = hit.tokens if engine.config.lower_tier_hits == "load" else hit.host_tokens
         # Leave at least one prompt token to compute (TensorRT-LLM checks prepopulated < prompt_len).
         limit = (state.prompt_len - 1) // self._block * self._block
         matched = max(0, min(usable, limit) - num_computed_tokens) // self._block * self._block
@@ -97,7 +99,8 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvDepotMetadata:
         meta = KvDepotMetadata(finished=self._finished, lease_session=self._provider.session(),
-                               lease_token=self._provider.lease_token())
+                               lease_token=self._provider.lease_token(),
+                               new_request_ids=[d.request_id for d in scheduler_output.new_requests])
         self._finished = []
         engine = self._provider.current()
         if engine is None:

@@ -17,10 +17,17 @@ before it answers) and ``wait_for_layer_load(i)`` makes the forward stream wait 
 ``i``, so a hit's copies overlap the forward over the new tokens. Only once a whole forward's
 layer hooks were seen to fire, and never again after one was missed (``layer_hooks.py``).
 
-Parked (asynchronous) loads: an engine that loads asynchronously (the server holds the load until
-its promotion is done) gets the load at once; otherwise the worker waits for the promotion
-(``promotion_done``) and then loads, for a later forward. ``get_finished`` reports the request
-once the load is answered.
+Parked (asynchronous) loads (``lower_tier_hits: load``, a hit partly below host memory): an
+engine that loads asynchronously (the server holds the load until its promotion is done) gets the
+load at once; otherwise the worker waits for the promotion (``promotion_done``) and then loads,
+for a later forward. ``get_finished`` reports the request once the load is answered.
+
+A promise that came up short (a chunk gone or corrupt in every tier that had it, the server gone):
+TensorRT-LLM 1.2 cannot take it back, and the request would compute from blocks that do not hold
+its KV. The worker reports it loaded anyway (never parked forever), counts it
+(``stats.failed_promises``), logs one error, and raises ``PromisedLoadFailed`` in the first layer
+hook (or ``wait_for_save``) of the step that schedules it: 1.2 answers the step's requests with an
+error response. Nothing that step computed is saved.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvdepot.engine_api import Engine, Lease, PendingLoad, PendingStore
+from kvdepot.errors import PromisedLoadFailed
 from kvdepot.integrations.saves import take_saved
 from kvdepot.integrations.tensorrt_llm.api import KvCacheConnectorWorker
 from kvdepot.integrations.tensorrt_llm.layer_hooks import LayerHooks
@@ -57,6 +65,14 @@ class _ParkedLoad:
     want: int = 0  # tokens the load was promised to make valid
 
 
+@dataclass
+class WorkerStats:
+    """What this rank's worker counted (the engine's own counters are in ``engine.stats()``)."""
+
+    parked_loads: int = 0  # loads promised with is_async (a hit partly below host memory)
+    failed_promises: int = 0  # promised loads that came up short: their step got an error
+
+
 class KvDepotWorker(KvCacheConnectorWorker):
     """Moves whole blocks between TensorRT-LLM's pool and kvdepot, off the forward stream."""
 
@@ -73,6 +89,10 @@ class KvDepotWorker(KvCacheConnectorWorker):
         self._pending_saves: list[tuple[_WorkerRequest, list[int], list[bytes]]] = []  # noted, not enqueued
         self._save_stream: Any = None
         self._hooks = LayerHooks()
+        self.stats = WorkerStats()
+        self._broken: dict[int, str] = {}  # short promised loads whose request has not run yet
+        self._doomed: list[str] = []  # this step schedules these broken requests: its forward fails
+        self._step_failed = False  # this step's forward raised: none of its saves are noted
 
     def register_kv_caches(self, kv_cache_tensor: Any) -> None:
         self._engine = self._provider.attach(kv_cache_tensor)
@@ -88,8 +108,10 @@ class KvDepotWorker(KvCacheConnectorWorker):
             return
         self._submit_saves()
         self._hooks.settle(stream)  # a forward that never came (never in TensorRT-LLM)
+        self._step_failed = False
         for rid in meta.finished:
             self._requests.pop(rid, None)
+            self._broken.pop(rid, None)
         for item in meta.requests:
             state = self._requests.setdefault(item.request_id, _WorkerRequest())
             state.keys.extend(item.new_keys)
@@ -97,8 +119,10 @@ class KvDepotWorker(KvCacheConnectorWorker):
             lease = Lease(item.request_id, session=meta.lease_session, token=meta.lease_token)
             if item.load_num_blocks and item.load_async:
                 self._parked[item.request_id] = _ParkedLoad(item, lease)
+                self.stats.parked_loads += 1
             elif item.load_num_blocks:
                 self._load(engine, item, state, lease, stream)
+        self._doomed = [self._broken.pop(rid) for rid in meta.new_request_ids if rid in self._broken]
         if engine.capabilities.async_loads:  # the engine holds each until its promotion is done
             for parked in self._parked.values():
                 if parked.pending is None:
@@ -113,7 +137,25 @@ class KvDepotWorker(KvCacheConnectorWorker):
                 self._hooks.add(layered)
         else:
             got = engine.retrieve(state.keys, state.block_ids, **args)
-        _check_load(item.request_id, got, self._want(engine, item))
+        self._check_load(item.request_id, got, self._want(engine, item))
+
+    def _check_load(self, rid: int, got: int, want: int) -> None:
+        """A load shorter than its promise: the request must fail, never compute from it."""
+        if got >= want:
+            return
+        # a chunk lost after the lookup, a lease that expired, or the server went away
+        self.stats.failed_promises += 1
+        self._broken[rid] = f"req={rid} loaded {got} of {want} promised tokens"
+        logger.error("kvdepot: req=%s loaded %d of %d promised tokens; its next forward fails with an "
+                     "error (TensorRT-LLM cannot take a promised load back)", rid, got, want)
+
+    def _fail_step(self) -> None:
+        """Raise in the forward of a step that schedules a request whose promised load was short."""
+        if self._doomed:
+            doomed, self._doomed = self._doomed, []
+            self._step_failed = True
+            raise PromisedLoadFailed("kvdepot: " + "; ".join(doomed) + ": the rest of the prefix is not valid "
+                                     "KV, so the step fails instead of computing from it")
 
     def _send(self, engine: Engine, parked: _ParkedLoad, stream: Any) -> None:
         item = parked.item
@@ -135,8 +177,14 @@ class KvDepotWorker(KvCacheConnectorWorker):
     def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
         """Make the forward stream wait for layer ``layer_idx`` of this step's layered loads (whole
         loads were already waited for in ``start_load_kv``). Raises ``TransferFailed`` if a load's
-        copies could not be enqueued: its blocks hold no valid KV, and the forward must not go on."""
-        self._hooks.wait_layer(layer_idx, stream)
+        copies could not be enqueued, ``PromisedLoadFailed`` if the step schedules a request whose
+        promised load came up short: their blocks hold no valid KV, and the forward must not go on."""
+        self._fail_step()
+        try:
+            self._hooks.wait_layer(layer_idx, stream)
+        except Exception:
+            self._step_failed = True
+            raise
 
     def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
         """Whole blocks are saved after the forward pass (noted in wait_for_save); nothing per layer."""
@@ -153,7 +201,10 @@ class KvDepotWorker(KvCacheConnectorWorker):
         engine = self._engine
         ready = engine is not None and engine.ready
         self._hooks.end_forward(stream, engine.layout.num_layers if engine is not None and ready else None)
+        self._fail_step()  # the layer hooks did not fire (CUDA graph): fail here, before any save
         meta = self._meta()
+        if self._step_failed:
+            return  # a forward that raised computed nothing valid: none of its chunks are saved
         if meta is None or engine is None or not ready:
             return  # nothing is marked saved: chunks still computed when the server is back are saved then
         self._submit_saves()  # a step without get_finished (never in TensorRT-LLM) still saves
@@ -196,19 +247,14 @@ class KvDepotWorker(KvCacheConnectorWorker):
         ready = []
         for rid in list(self._started):
             parked = self._parked.get(rid)
-            if parked is None:
-                logger.warning("kvdepot: req=%s was loading asynchronously but no load reached this worker", rid)
+            if parked is None:  # reported (never parked forever), but its blocks hold nothing
+                self._check_load(rid, 0, 1)
             elif parked.pending is None or not parked.pending.done():
                 continue
             else:
-                _check_load(rid, parked.pending.result(), parked.want)
+                self._check_load(rid, parked.pending.result(), parked.want)
                 del self._parked[rid]
             self._started.discard(rid)
             ready.append(rid)
         return ready
 
-
-def _check_load(rid: int, got: int, want: int) -> None:
-    if got < want:  # a lease expired before its load, or the server went away: never silent
-        logger.error("kvdepot: req=%s loaded %d of %d promised tokens; the rest of its prefix is not valid KV",
-                     rid, got, want)

@@ -1,0 +1,111 @@
+"""``kvdepot bench ttft --modes first-redis``: a fresh engine's first request, served from Redis.
+
+Per prompt length L: a writer engine computes ``--first-prompts`` prompts (the recompute TTFT, a
+miss each) and stores them through Redis; it is closed (its write-behind drained, like a process
+exit). A fresh engine — empty host tier, the same Redis — then serves each prompt once: with
+``lower_tier_hits: load`` its first request is promised the whole hit, parked while the chunks are
+read from Redis into host memory, and loaded (the first-hit TTFT). The row gives both medians, their
+ratio (the issue's target: <= 0.3 at 8K tokens), the tokens loaded and whether the outputs equal
+the recompute's. A warm-up prompt runs first in each engine (kernels, allocator, tier threads).
+
+Redis: a ``redis-server`` started here on a free loopback port, persistence off: the binary named
+by ``--redis-server``, else the one on PATH (on a machine without it, carry Debian's package). Not
+a ``KVDEPOT_*`` variable: every such variable is a configuration key, and an unknown one an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from unittest import mock
+
+
+def add_first_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--first-prompts", type=int, default=3, help="first-redis: prompts per length")
+    parser.add_argument("--redis-server", default=None, metavar="PATH",
+                        help="first-redis: the redis-server binary (default: the one on PATH)")
+
+
+@contextmanager
+def redis_server(binary: str | None) -> Iterator[str]:
+    """A throwaway redis-server on loopback (no persistence, no memory limit); its URL."""
+    binary = binary or shutil.which("redis-server")
+    if not binary:
+        raise SystemExit("--modes first-redis: no redis-server on PATH; install it or pass --redis-server PATH")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workdir = tempfile.mkdtemp(prefix="kvdepot-bench-redis-")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", workdir, "--proto-max-bulk-len", "1gb"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"redis-server ({binary}) did not start on port {port}") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait(10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def first_hit_rows(args: argparse.Namespace, lengths: list[int], engine: Callable[..., object],
+                   ready: Callable[[None], None], kv_bytes_per_token: int, free: Callable[[], None],
+                   add: Callable[[dict], object]) -> list[dict]:
+    """The first-redis rows, each passed to ``add`` once measured (``engine``/``ready``/``free``:
+    bench ttft's own helpers, so the engines are the other rows' engines)."""
+    from kvdepot.bench.ttft import _prompt
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
+
+    rows = []
+    with redis_server(args.redis_server) as url:
+        for i, n in enumerate(lengths):
+            kv_gb = 2.5 * (n + 64) * kv_bytes_per_token / 1e9  # the prompt and the warm-up, with room
+            env = {"KVDEPOT_REMOTE_URL": url, "KVDEPOT_LOWER_TIER_HITS": "load",
+                   "KVDEPOT_CACHE_SALT": f"bench-first-{uuid.uuid4().hex}", "KVDEPOT_HOST_CAPACITY_GB": f"{max(kv_gb, 0.05):.3f}"}
+            with mock.patch.dict(os.environ, env):
+                results = []
+                for role in ("writer", "reader"):
+                    destroy_engine()  # the writer's: its write-behind drains to Redis first
+                    eng = engine(args, n + 64, connected=True)
+                    ready(None)
+                    vocab = eng.model.config.vocab_size
+                    eng.generate([_prompt(min(512, n), 7 + len(results), vocab)], 1)  # warm-up (a miss)
+                    results.append([eng.generate([_prompt(n, 600 + 10 * i + k, vocab)], 1)[0]
+                                    for k in range(args.first_prompts)])
+                    if role == "reader":
+                        stats = current_engine().stats()
+                    del eng
+                    free()
+                destroy_engine()
+            miss, hit = results
+            ms = [r.ttft_s * 1e3 for r in hit]
+            base = statistics.median(r.ttft_s * 1e3 for r in miss)
+            rows.append({
+                "mode": "first-redis", "prompt": n, "prompts": len(hit),
+                "recompute ms": base, "first hit ms": statistics.median(ms), "min": min(ms), "max": max(ms),
+                "hit/recompute": statistics.median(ms) / base,
+                "tokens loaded": min(r.num_connector_matched_tokens for r in hit),
+                "async load": all(r.connector_async_load for r in hit),
+                "errors": sum(r.error is not None for r in hit),
+                "tokens==recompute": all(h.output_ids == m.output_ids for h, m in zip(hit, miss, strict=True)),
+                "leases live": stats.live_leases,
+            })
+            add(rows[-1])
+    return rows

@@ -1,0 +1,315 @@
+"""Loads by layer answered early (``server/layer_progress.py``), on CPU with a scripted load: the
+reply before the last layer, records in layer order each after its layer's wait, a second load
+behind the first, and every failure mid-way (a layer not enqueued, the deadline, the server gone)
+reaching the client's wait for that layer as ``TransferFailed`` — never a wait on an event not
+recorded for the load. The CUDA half (bit-exact, across processes) is tests/server/test_gpu_ipc.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from kvdepot.config import DepotConfig
+from kvdepot.server import protocol as p
+from kvdepot.server import wire as w
+from kvdepot.server.calls import ServerUnavailable
+from kvdepot.server.ipc import ServerLayeredLoad
+from kvdepot.server.layer_progress import (
+    MAX_LOADS,
+    FencedFailure,
+    LayerIssuer,
+    LayerProgress,
+    LoadBook,
+    RemoteProgress,
+    start_early,
+)
+from kvdepot.server.service import DepotService
+from kvdepot.transfer.layered import LayeredLoad, LayerWaits, TransferFailed
+
+LAYERS = 8
+
+
+class ScriptedLoad(LayerWaits):
+    """A load whose layer waits are logged, may be held at a layer, or fail at one."""
+
+    def __init__(self, log: list, name: str = "a", hold_at: int | None = None, fail_at: int | None = None) -> None:
+        super().__init__(LAYERS)
+        self.log, self.name, self.hold_at, self.fail_at = log, name, hold_at, fail_at
+        self.gate, self.held = threading.Event(), threading.Event()
+        self.abandoned: BaseException | None = None
+
+    def _wait(self, layer: int, stream: object) -> None:
+        if layer == self.hold_at:
+            self.held.set()
+            assert self.gate.wait(10)
+        if layer == self.fail_at:
+            raise TransferFailed(f"layer {layer} could not be enqueued")
+        self.log.append((self.name, "wait", layer))
+
+    def abandon(self, reason: BaseException) -> None:
+        self.abandoned = reason
+
+    def wait_enqueued(self, stream: object) -> None:
+        self.log.append((self.name, "fence", None))
+
+
+def _early(load: ScriptedLoad, issuer: LayerIssuer, deadline_ns: int = 0) -> tuple[LayerProgress, list[int]]:
+    progress = LayerProgress(1, LAYERS, deadline_ns)
+    ended: list[int] = []
+    start_early(load, progress, issuer, lambda layer: load.log.append((load.name, "record", layer)), None,
+                lambda: ended.append(1))
+    return progress, ended
+
+
+def _client(progress: LayerProgress, pool: ThreadPoolExecutor, timeout_s: float = 2.0) -> RemoteProgress:
+    """The client's follower, its LAYERS answered by the server-side progress (as the service does)."""
+    asked: list[int] = []
+
+    def ask(through: int) -> Future:
+        asked.append(through)
+        return pool.submit(lambda: (p.LayersReply(*progress.wait_past(through)), []))
+
+    follow = RemoteProgress(ask, progress.recorded, LAYERS, timeout_s)
+    follow.asked = asked  # type: ignore[attr-defined]
+    return follow
+
+
+def test_reply_comes_before_the_last_layer_and_records_follow_each_wait():
+    log: list = []
+    load = ScriptedLoad(log, hold_at=3)
+    issuer = LayerIssuer("test-layers")
+    try:
+        progress, ended = _early(load, issuer)
+        # What the reply carries: layer 0 recorded, the rest still to come on the issuer.
+        assert progress.recorded == 1 and log == [("a", "wait", 0), ("a", "record", 0)]
+        progress.wait_past(2, 5.0)
+        assert progress.recorded == 3 and not issuer.idle and not ended  # held at layer 3's wait
+        load.gate.set()
+        assert issuer.drain(5)
+        assert log == [("a", step, layer) for layer in range(LAYERS) for step in ("wait", "record")]
+        assert progress.recorded == LAYERS and not progress.failed and ended == [1]
+        assert load.abandoned is None
+    finally:
+        issuer.close()
+
+
+def test_the_client_waits_for_each_layer_until_the_server_recorded_it():
+    log: list = []
+    load = ScriptedLoad(log, hold_at=5)
+    issuer = LayerIssuer("test-layers")
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            progress, _ = _early(load, issuer)
+            follow = _client(progress, pool)
+            follow.through(4)  # recorded by the issuer meanwhile
+            assert follow.ready >= 5
+            waiting = pool.submit(follow.through, 6)
+            time.sleep(0.05)
+            assert not waiting.done()  # layer 5 is held: the client must not go past it
+            load.gate.set()
+            waiting.result(5)
+            assert ("a", "record", 6) in log
+            follow.through(LAYERS - 1)
+            assert follow.ready == LAYERS
+        finally:
+            load.gate.set()
+            issuer.close()
+
+
+def test_a_layer_not_enqueued_fails_that_layer_and_every_later_one_for_the_client():
+    log: list = []
+    load = ScriptedLoad(log, fail_at=5)
+    issuer = LayerIssuer("test-layers")
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            progress, ended = _early(load, issuer)
+            assert issuer.drain(5)
+            assert progress.recorded == 5 and "TransferFailed" in progress.failed and ended == [1]
+            assert isinstance(load.abandoned, TransferFailed)  # nothing more of it is enqueued
+            # The fence: the remaining events recorded after every copy that went, then failed.
+            assert log[-1 - (LAYERS - 5):] == [("a", "fence", None)] + [("a", "record", n) for n in range(5, LAYERS)]
+            assert progress.fenced
+            follow = _client(progress, pool)
+            follow.through(4)  # recorded before the failure: still valid
+            for layer in (5, 6, LAYERS - 1):
+                with pytest.raises(FencedFailure, match="after 5 layers"):
+                    follow.through(layer)
+        finally:
+            issuer.close()
+
+
+def test_the_deadline_stops_the_issue_and_fails_the_rest():
+    log: list = []
+    load = ScriptedLoad(log, hold_at=2)
+    issuer = LayerIssuer("test-layers")
+    try:
+        progress, ended = _early(load, issuer, deadline_ns=time.monotonic_ns() + 60_000_000_000)
+        assert load.held.wait(5)
+        progress.deadline_ns = time.monotonic_ns() - 1  # the deadline passes while layer 2 is held
+        load.gate.set()
+        assert issuer.drain(5)
+        assert progress.recorded == 3 and "deadline" in progress.failed and ended == [1]
+        assert load.abandoned is not None and ("a", "wait", 3) not in log and progress.fenced
+    finally:
+        issuer.close()
+
+
+def test_a_second_load_is_recorded_wholly_after_the_first():
+    log: list = []
+    first, second = ScriptedLoad(log, "a", hold_at=2), ScriptedLoad(log, "b")
+    issuer = LayerIssuer("test-layers")
+    try:
+        one, _ = _early(first, issuer)
+        two, _ = _early(second, issuer)  # the issuer is busy: nothing of it is recorded in the handler
+        assert two.recorded == 0 and not [e for e in log if e[0] == "b"]
+        first.gate.set()
+        assert issuer.drain(5)
+        records = [(name, layer) for name, step, layer in log if step == "record"]
+        assert records == [("a", layer) for layer in range(LAYERS)] + [("b", layer) for layer in range(LAYERS)]
+        assert one.recorded == two.recorded == LAYERS
+    finally:
+        issuer.close()
+
+
+def test_a_server_gone_mid_load_fails_the_layers_not_yet_known():
+    def ask(through: int) -> Future:
+        future: Future = Future()
+        future.set_exception(ServerUnavailable("no reply from the server within 2 s"))
+        return future
+
+    follow = RemoteProgress(ask, 2, LAYERS, 0.1)
+    follow.through(1)  # recorded before the reply
+    with pytest.raises(TransferFailed, match="ServerUnavailable") as failure:
+        follow.through(2)
+    assert not isinstance(failure.value, FencedFailure)  # nothing the client could wait on
+    with pytest.raises(TransferFailed):
+        follow.through(LAYERS - 1)
+
+
+class LoggedServerLoad(ServerLayeredLoad):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.waited_events: list[int] = []
+
+    def _wait_event(self, layer: int, stream: object) -> None:
+        self.waited_events.append(layer)
+
+
+def test_a_fenced_failure_waits_on_the_last_event_before_it_raises():
+    import torch
+
+    def progress(layer: int) -> None:
+        if layer >= 3:
+            raise FencedFailure("the server's layered load failed after 3 layers")
+
+    load = LoggedServerLoad([object()] * LAYERS, torch.device("cpu"), progress, 1)
+    for layer in range(3):
+        load.wait_layer(layer, None)
+    with pytest.raises(FencedFailure):
+        load.wait_layer(3, None)
+    assert load.waited_events == [0, 1, 2, LAYERS - 1] and load.waited == 3
+
+
+def test_an_in_process_load_that_fails_makes_the_waiter_wait_for_what_went():
+    class Stream:
+        def __init__(self) -> None:
+            self.log: list = []
+
+        def wait_event(self, event: object) -> None:
+            self.log.append(("event", event))
+
+        def wait_stream(self, other: object) -> None:
+            self.log.append(("stream", other))
+
+    class Event:
+        def __init__(self, n: int) -> None:
+            self.n = n
+
+        def record(self) -> None:
+            pass
+
+    def layers():
+        yield 0
+        yield 1
+        raise RuntimeError("the driver refused layer 2")
+
+    seen: list = []
+    events = [Event(n) for n in range(4)]
+    load = LayeredLoad(layers(), events, None, seen.append, ahead=0)
+    stream = Stream()
+    load.wait_layer(0, stream)
+    load.wait_layer(1, stream)
+    with pytest.raises(TransferFailed):
+        load.wait_layer(2, stream)
+    assert stream.log == [("event", events[0]), ("event", events[1]), ("stream", None)]
+    assert len(seen) == 1 and isinstance(seen[0], RuntimeError)
+
+
+def test_a_server_layered_load_asks_before_it_waits_on_an_event():
+    asked: list[int] = []
+
+    def progress(layer: int) -> None:
+        asked.append(layer)
+        raise TransferFailed("the server's layered load failed after 0 layers")
+
+    import torch
+
+    load = ServerLayeredLoad([object()] * LAYERS, torch.device("cpu"), progress, 0)
+    assert load.ready_at_reply == 0
+    with pytest.raises(TransferFailed):  # raised before any CUDA call (which would fail here otherwise)
+        load.wait_layer(3, None)
+    assert asked == [3] and load.waited == 0
+
+
+def test_an_abandoned_layered_load_enqueues_nothing_more_and_reports_once():
+    seen: list = []
+    load = LayeredLoad(iter(range(4)), [object()] * 4, None, seen.append)
+    reason = RuntimeError("deadline")
+    load.abandon(reason)
+    load.abandon(RuntimeError("again"))
+    assert seen == [reason] and load.fully_issued
+    with pytest.raises(TransferFailed):
+        load.issue_through(1)
+
+
+def test_the_book_keeps_live_loads_and_drops_old_finished_ones():
+    book = LoadBook()
+    live = LayerProgress(1, LAYERS)
+    book.add(7, live)
+    for load_id in range(2, MAX_LOADS + 10):
+        done = LayerProgress(load_id, LAYERS)
+        done.advance(LAYERS)
+        book.add(7, done)
+    assert book.get(7, 1) is live and len(book) > MAX_LOADS  # the oldest is live: nothing goes past it
+    live.advance(LAYERS)
+    book.add(7, LayerProgress(1000, LAYERS))
+    assert book.get(7, 1) is None and len(book) == MAX_LOADS and book.get(8, 1000) is None
+    book.drop(7)
+    assert len(book) == 0
+
+
+def test_the_service_answers_layers_inline_when_known_and_on_the_pool_otherwise():
+    service = DepotService(DepotConfig(), url="ipc:///tmp/none")
+    try:
+        peer = b"peer"
+        hello, _ = service.hello(peer, p.Hello(p.PROTOCOL_VERSION), [])
+        progress = LayerProgress(5, LAYERS)
+        progress.advance(2)
+        service.layer_loads.add(hello.session_id, progress)
+        spec = p.OPS[p.Op.LAYERS]
+        frames = service.try_inline(peer, 1, spec, p.Layers(5, 1), [])
+        assert frames is not None and w.parse_reply_header(frames[0]).status == 0
+        assert w.decode(frames[1], p.LayersReply) == p.LayersReply(2)
+        assert service.try_inline(peer, 2, spec, p.Layers(5, 4), []) is None  # would wait: the pool's
+        threading.Timer(0.05, progress.fail, ("TransferFailed: layer 2",)).start()
+        reply, _ = service.layers(peer, p.Layers(5, 4), [])
+        assert reply == p.LayersReply(2, "TransferFailed: layer 2")
+        unknown = service.dispatch(peer, 3, spec, p.Layers(6, 0), [])  # another load id: refused
+        assert w.parse_reply_header(unknown[0]).status == p.ErrorCode.UNKNOWN_REQUEST
+        service.end_session(peer, p.EndSession(), [])
+        assert len(service.layer_loads) == 0  # a session's loads go with it
+    finally:
+        service.close()
