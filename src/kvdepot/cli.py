@@ -26,8 +26,10 @@ BENCHES = {
     "soak": ("kvdepot.bench.soak", "client processes under server/client/Redis kills and SIGSTOP; every loaded byte checked"),
     "vllm": ("kvdepot.bench.vllm", "TTFT of real vLLM without a connector, with kvdepot, and with vLLM's own prefix cache"),
     "bookkeeping": ("kvdepot.bench.bookkeeping", "host-side cost of CacheEngine store/lookup/retrieve with no copy (CPU)"),
+    "tp": ("kvdepot.bench.tp", "MLA under tensor parallel 2 in server mode: bytes stored per chunk and load time, one copy vs per rank"),
     "firsthit": ("kvdepot.bench.first_hit", "a process's first kvdepot hit vs its later ones, and vs its first device hit (whose toll)"),
     "events": ("kvdepot.bench.kv_events_cost", "caller-side cost of a KV-event sink call, events off vs on (CPU)"),
+    "cluster": ("kvdepot.bench.cluster", "N nodes over one Redis Cluster: hit rate, TTFT, recompute; round-robin vs routed by KV events"),
 }
 
 

@@ -73,6 +73,14 @@ class DepotConfig:
     session_timeout_s: float = _key(30.0, "Server: close a silent client's session (its leases, mapped pool) after this many seconds.", minimum=0.1)
     metrics_port: int = _key(0, "Server: serve Prometheus metrics on metrics_host:PORT (0 = off).", minimum=0)
     metrics_host: str = _key("127.0.0.1", "Server: address the Prometheus metrics listen on (0.0.0.0: every interface).")
+    tp_kv_copies: str = _key(
+        "auto",
+        "Server mode under tensor parallelism: copies of a chunk the server keeps. per-rank = one per "
+        "TP rank (each rank's pool holds its own KV heads); one = one copy, loaded into every rank's "
+        "pool, for KV that is the same on every rank (an MLA latent); auto = one where the pool has "
+        "kv_factor 1 (TensorRT-LLM's MLA pools), per-rank otherwise.",
+        choices=("auto", "per-rank", "one"),
+    )
     lower_tier_hits: str = _key(
         "load",
         "How a hit found only on disk/Redis is served. load: the request that found it is promised "

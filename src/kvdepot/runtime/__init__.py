@@ -3,7 +3,7 @@
 ``Engine`` runs a Llama-architecture model (``model``, ``weights``) over a KV pool in TensorRT-LLM's
 layout, managed like its V1 block manager (``block_manager``), and calls a connector in the
 executor's documented order (``connector``, ``executor``). ``llm_args`` and ``request`` mimic the
-objects a connector receives.
+objects a connector receives. ``tp`` runs tensor parallelism as TensorRT-LLM does: a process per rank.
 """
 
 from kvdepot.runtime.block_manager import Allocation, BlockManager, OutOfBlocks
@@ -19,6 +19,7 @@ from kvdepot.runtime.llm_args import (
 )
 from kvdepot.runtime.model import PRESETS, LlamaModel, ModelConfig, RopeScaling, Segment
 from kvdepot.runtime.request import CppRequestView, LlmRequest, LlmRequestState, Result
+from kvdepot.runtime.tp import TpGroup, launch
 from kvdepot.runtime.weights import (
     LlamaWeights,
     build_model,
@@ -31,6 +32,6 @@ __all__ = [
     "PRESETS", "Allocation", "BlockManager", "CapacitySchedulerPolicy", "ConnectorManager",
     "CppRequestView", "Engine", "KvCacheConfig", "KvCacheConnectorConfig", "LlamaModel",
     "LlamaWeights", "LlmRequest", "LlmRequestState", "MainKvCacheConnectorConfig", "ModelConfig", "OutOfBlocks", "Result",
-    "RopeScaling", "SchedulerConfig", "Segment", "TorchLlmArgs", "build_model", "config_from_hf",
-    "load_checkpoint", "random_weights", "resolve_connector_classes",
+    "RopeScaling", "SchedulerConfig", "Segment", "TorchLlmArgs", "TpGroup", "build_model", "config_from_hf",
+    "launch", "load_checkpoint", "random_weights", "resolve_connector_classes",
 ]

@@ -1,4 +1,4 @@
-"""The executor's side of the KV connector API: TensorRT-LLM's ``KvCacheConnectorManager``, one rank.
+"""The executor's side of the KV connector API: TensorRT-LLM's ``KvCacheConnectorManager``, per rank.
 
 Every rule a connector can observe lives here, in one place (reference §2–§3, §10):
 
@@ -12,7 +12,10 @@ Every rule a connector can observe lives here, in one place (reference §2–§3
   whole prompt and all blocks; then deltas), subtracting this step's synchronous connector matches
   from ``computed_position`` of new requests;
 * the metadata is pickled and unpickled on its way to the worker, as 1.2's broadcast does;
-* ids enter ``get_finished`` exactly once; ids coming back must have been handed over before.
+* ids enter ``get_finished`` exactly once; ids coming back must have been handed over before;
+* tensor parallel (``tp``, one manager per rank process): the scheduler lives on rank 0 only; its
+  answers (matched tokens, metadata, ``request_finished``) are broadcast to every rank, and an id
+  ``get_finished`` reports counts once every rank's worker has reported it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from kvdepot.integrations.tensorrt_llm.api import (
     SchedulerOutput,
 )
 from kvdepot.runtime.request import CppRequestView, LlmRequest, LlmRequestState
+from kvdepot.runtime.tp import TpGroup
 
 ConnectorClasses = tuple[type[KvCacheConnectorScheduler], type[KvCacheConnectorWorker]]
 
@@ -50,9 +54,12 @@ def resolve_connector_classes(llm_args: Any) -> ConnectorClasses | None:
 class ConnectorManager:
     """Drives one connector (scheduler + worker) on behalf of the executor loop."""
 
-    def __init__(self, scheduler: KvCacheConnectorScheduler, worker: KvCacheConnectorWorker):
-        self.scheduler = scheduler
+    def __init__(self, scheduler: KvCacheConnectorScheduler | None, worker: KvCacheConnectorWorker,
+                 tp: TpGroup | None = None):
+        self.scheduler = scheduler  # None on TP ranks other than 0
         self.worker = worker
+        self.tp = tp
+        self._reports: dict[tuple[str, int], set[int]] = {}  # (kind, id) -> ranks that reported it
         self.forward_pass_callable: Callable[[], Any] | None = (
             worker.register_forward_pass_callable() or None
         )
@@ -65,14 +72,19 @@ class ConnectorManager:
         self._pending_loading: set[int] = set()
 
     @classmethod
-    def create(cls, classes: ConnectorClasses, llm_args: Any) -> ConnectorManager:
-        """Construct worker and scheduler concurrently: either may wait on the other in __init__."""
+    def create(cls, classes: ConnectorClasses, llm_args: Any, tp: TpGroup | None = None) -> ConnectorManager:
+        """Construct worker and scheduler (rank 0 only) concurrently: either may wait on the other in __init__."""
         scheduler_cls, worker_cls = classes
         with ThreadPoolExecutor(max_workers=2) as pool:
             worker_f = pool.submit(worker_cls, llm_args)
-            scheduler_f = pool.submit(scheduler_cls, llm_args)
-            worker, scheduler = worker_f.result(), scheduler_f.result()
-        return cls(scheduler, worker)
+            scheduler_f = pool.submit(scheduler_cls, llm_args) if tp is None or tp.rank == 0 else None
+            worker, scheduler = worker_f.result(), scheduler_f.result() if scheduler_f else None
+        return cls(scheduler, worker, tp)
+
+    def _from_rank0(self, ask: Callable[[KvCacheConnectorScheduler], Any]) -> Any:
+        """The scheduler's answer (rank 0), broadcast to every rank under TP."""
+        answer = ask(self.scheduler) if self.scheduler is not None else None
+        return self.tp.broadcast(answer) if self.tp is not None else answer
 
     def register_kv_caches(self, pool: Any) -> None:
         if self._registered:
@@ -84,7 +96,8 @@ class ConnectorManager:
 
     def get_num_new_matched_tokens(self, req: LlmRequest, num_computed_tokens: int) -> tuple[int, bool]:
         """Ask the scheduler how many tokens past the device match it can load; validate the answer."""
-        num, is_async = self.scheduler.get_num_new_matched_tokens(CppRequestView(req), num_computed_tokens)
+        num, is_async = self._from_rank0(
+            lambda s: tuple(s.get_num_new_matched_tokens(CppRequestView(req), num_computed_tokens)))
         num, is_async = int(num), bool(is_async)
         if num == 0 and is_async:
             raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
@@ -104,7 +117,8 @@ class ConnectorManager:
         return num, is_async
 
     def update_state_after_alloc(self, req: LlmRequest, block_ids: Sequence[int]) -> None:
-        self.scheduler.update_state_after_alloc(req, list(block_ids))
+        if self.scheduler is not None:  # rank 0 only, and not broadcast (as in 1.2)
+            self.scheduler.update_state_after_alloc(req, list(block_ids))
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -135,7 +149,7 @@ class ConnectorManager:
     def start_batch(self, out: SchedulerOutput, stream: Any) -> None:
         """``handle_metadata`` then ``start_load_kv(outer stream)``. The metadata goes through a
         pickle round trip (1.2 broadcasts it over MPI) and is simply replaced each step."""
-        meta = pickle.loads(pickle.dumps(self.scheduler.build_connector_meta(out)))
+        meta = pickle.loads(self._from_rank0(lambda s: pickle.dumps(s.build_connector_meta(out))))
         self.worker.bind_connector_meta(meta)
         self.worker.start_load_kv(stream)
 
@@ -158,7 +172,7 @@ class ConnectorManager:
 
     def request_finished(self, req: LlmRequest, block_ids: Sequence[int]) -> bool:
         """True: the connector saves asynchronously, so the caller keeps the blocks until told."""
-        saving = bool(self.scheduler.request_finished(req, list(block_ids)))
+        saving = bool(self._from_rank0(lambda s: bool(s.request_finished(req, list(block_ids)))))
         if saving:
             self._new_saving.append(req.request_id)
             self._pending_saving.add(req.request_id)
@@ -175,8 +189,25 @@ class ConnectorManager:
             unknown = [i for i in ids if i not in pending]
             if unknown:
                 raise RuntimeError(f"connector worker reported {what} ids {unknown} it was not given")
+        if self.tp is not None:
+            saved, loaded = self._on_every_rank(saved, loaded)
+        for ids, pending in ((saved, self._pending_saving), (loaded, self._pending_loading)):
             pending.difference_update(ids)
         return saved, loaded
+
+    def _on_every_rank(self, saved: list[int], loaded: list[int]) -> tuple[list[int], list[int]]:
+        """The ids every rank has now reported (all-gathered; a rank may report one later than another)."""
+        assert self.tp is not None
+        done: dict[str, list[int]] = {"save": [], "load": []}
+        for rank, (rank_saved, rank_loaded) in enumerate(self.tp.all_gather((saved, loaded))):
+            for kind, ids in (("save", rank_saved), ("load", rank_loaded)):
+                for rid in ids:
+                    ranks = self._reports.setdefault((kind, rid), set())
+                    ranks.add(rank)
+                    if len(ranks) == self.tp.size:
+                        del self._reports[(kind, rid)]
+                        done[kind].append(rid)
+        return done["save"], done["load"]
 
     @property
     def has_pending(self) -> bool:

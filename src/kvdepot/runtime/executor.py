@@ -41,6 +41,7 @@ from kvdepot.runtime.connector import ConnectorClasses, ConnectorManager, resolv
 from kvdepot.runtime.llm_args import KvCacheConnectorConfig, TorchLlmArgs, validate_llm_args
 from kvdepot.runtime.model import ModelConfig, Segment
 from kvdepot.runtime.request import LlmRequest, LlmRequestState, Result
+from kvdepot.runtime.tp import TpGroup, shard_model
 from kvdepot.runtime.weights import build_model
 
 CPU_DEFAULT_MAX_TOKENS = 16384  # pool size on CPU when kv_cache_config.max_tokens is unset
@@ -58,10 +59,13 @@ class Engine:
         llm_args: TorchLlmArgs | None = None,
         connector: ConnectorClasses | None = None,
         seed: int = 0,
+        tp: TpGroup | None = None,
     ):
+        """``tp``: this process is one rank of ``tensor_parallel_size`` (``runtime.tp``); every rank
+        builds the same full model (same ``seed``) and keeps its own part of it and of the pool."""
         args = llm_args or TorchLlmArgs()
         classes = connector or resolve_connector_classes(args)
-        validate_llm_args(args, classes is not None)
+        validate_llm_args(args, classes is not None, tp.size if tp is not None else 1)
         if classes is not None and args.kv_connector_config is None:
             # Connectors read kv_connector_config (e.g. server_url); name the classes we were given.
             args = replace(args, kv_connector_config=KvCacheConnectorConfig(
@@ -69,6 +73,9 @@ class Engine:
                 connector_worker_class=classes[1].__name__))
         self.device = torch.device(device)
         self.model, name = build_model(model if model is not None else args.model, self.device, seed)
+        self.tp = tp
+        if tp is not None:
+            self.model = shard_model(self.model, tp)
         self.llm_args = args if args.model else replace(args, model=name)  # never mutate the caller's
         kv = self.llm_args.kv_cache_config
         self.tokens_per_block = kv.tokens_per_block
@@ -76,7 +83,7 @@ class Engine:
         self.pool = torch.zeros(self.model.pool_shape(self.num_blocks, self.tokens_per_block),
                                 dtype=self.model.config.pool_dtype, device=self.device)
         self.blocks = BlockManager(self.num_blocks, self.tokens_per_block, kv.enable_block_reuse)
-        self.connector = ConnectorManager.create(classes, self.llm_args) if classes else None
+        self.connector = ConnectorManager.create(classes, self.llm_args, tp) if classes else None
         if self.connector is not None:
             self.connector.register_kv_caches(self.pool)
         self.async_timeout_s = 120.0

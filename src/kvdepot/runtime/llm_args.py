@@ -122,8 +122,18 @@ class ParallelConfig:
     pp_size: int = 1
 
     def to_mapping(self) -> Mapping:
-        return Mapping(rank=0, world_size=self.tp_size * self.pp_size, tp_size=self.tp_size,
-                       pp_size=self.pp_size)
+        rank = _mpi_rank()
+        return Mapping(rank=rank, world_size=self.tp_size * self.pp_size, tp_size=self.tp_size,
+                       pp_size=self.pp_size, tp_rank=rank % self.tp_size)
+
+
+def _mpi_rank() -> int:
+    """This process's rank as TensorRT-LLM tells it (``runtime.tp`` provides it in rank processes)."""
+    try:
+        from tensorrt_llm._utils import mpi_rank  # type: ignore[import-not-found]
+    except ImportError:
+        return 0
+    return int(mpi_rank())
 
 
 @dataclass
@@ -155,10 +165,13 @@ class TorchLlmArgs:
 LlmArgs = TorchLlmArgs
 
 
-def validate_llm_args(args: TorchLlmArgs, with_connector: bool) -> None:
-    """Reject what TensorRT-LLM rejects (§3.1, §10.7) and what one rank cannot do."""
-    if args.pipeline_parallel_size != 1 or args.tensor_parallel_size != 1:
-        raise NotImplementedError("the reference runtime runs one rank: TP and PP must be 1")
+def validate_llm_args(args: TorchLlmArgs, with_connector: bool, ranks: int = 1) -> None:
+    """Reject what TensorRT-LLM rejects (§3.1, §10.7) and what the runtime's ``ranks`` cannot do."""
+    if args.pipeline_parallel_size != 1:
+        raise NotImplementedError("the reference runtime has no pipeline parallelism: pipeline_parallel_size must be 1")
+    if args.tensor_parallel_size != ranks:
+        raise NotImplementedError(f"tensor_parallel_size={args.tensor_parallel_size} needs that many rank processes "
+                                  f"(runtime.tp.launch), this engine is one of {ranks}")
     if args.max_beam_width != 1:
         raise NotImplementedError("beam search is not supported (max_beam_width must be 1)")
     tpb = args.kv_cache_config.tokens_per_block

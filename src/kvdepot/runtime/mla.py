@@ -36,7 +36,9 @@ from kvdepot.errors import ConfigError
 from kvdepot.runtime.model import (
     _SDPA_BACKENDS,
     LayerHook,
+    Reduce,
     Segment,
+    _identity,
     _rms_norm,
     _SegmentPlan,
     check_kv_dtype,
@@ -171,6 +173,7 @@ class MlaModel:
         d = config.qk_rope_head_dim
         inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         self._inv_freq = inv.to(self.device)
+        self.reduce: Reduce = _identity  # tensor parallel: the sum over ranks (``tp.shard_model``)
 
     def pool_shape(self, num_blocks: int, tokens_per_block: int) -> tuple[int, int, int, int]:
         """``[NB, L, 1, 1 * B * (kv_lora_rank + qk_rope_head_dim)]``."""
@@ -192,9 +195,10 @@ class MlaModel:
             for i, lw in enumerate(w.layers):
                 if pre_layer is not None:
                     pre_layer(i)
-                x = x + self._attention(_rms_norm(x, lw.input_norm, c.rms_norm_eps), lw, plans, pool6[:, i], cos, sin)
+                attn = self._attention(_rms_norm(x, lw.input_norm, c.rms_norm_eps), lw, plans, pool6[:, i], cos, sin)
+                x = x + self.reduce(attn)
                 h = _rms_norm(x, lw.post_norm, c.rms_norm_eps)
-                x = x + F.linear(F.silu(F.linear(h, lw.gate_proj)) * F.linear(h, lw.up_proj), lw.down_proj)
+                x = x + self.reduce(F.linear(F.silu(F.linear(h, lw.gate_proj)) * F.linear(h, lw.up_proj), lw.down_proj))
                 if post_layer is not None:
                     post_layer(i)
         return lm_logits(x, plans, w.norm, w.lm_head, c.rms_norm_eps, all_logits)

@@ -36,6 +36,12 @@ if TYPE_CHECKING:
     from kvdepot.runtime.weights import LlamaWeights
 
 LayerHook = Callable[[int], None]
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
 # NOTE: cuDNN attention is left out: it builds a plan per new sequence length, which costs about a
 # millisecond of CPU per call when every decode step has a new key length.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -284,6 +290,7 @@ class LlamaModel:
         self.weights = weights
         self.device = weights.embed.device
         self._inv_freq = rope_inv_freq(config).to(self.device)
+        self.reduce: Reduce = _identity  # tensor parallel: the sum over ranks (``tp.shard_model``)
 
     def pool_shape(self, num_blocks: int, tokens_per_block: int) -> tuple[int, int, int, int]:
         """The pool TensorRT-LLM would allocate for this model: ``[NB, L, 2, Hkv*B*D]``."""
@@ -338,9 +345,9 @@ class LlamaModel:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             attn = torch.cat([self._attend(q, k, v, p, pool6[:, i]) for p in plans])
-            x = x + F.linear(attn, lw.o_proj)
+            x = x + self.reduce(F.linear(attn, lw.o_proj))
             h = _rms_norm(x, lw.post_norm, c.rms_norm_eps)
-            x = x + F.linear(F.silu(F.linear(h, lw.gate_proj)) * F.linear(h, lw.up_proj), lw.down_proj)
+            x = x + self.reduce(F.linear(F.silu(F.linear(h, lw.gate_proj)) * F.linear(h, lw.up_proj), lw.down_proj))
             if post_layer is not None:
                 post_layer(i)
         return x

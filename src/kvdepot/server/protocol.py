@@ -157,6 +157,9 @@ class Register(msgspec.Struct, frozen=True):
     bytes_per_block: int
     pool: PoolDesc
     cache_salt: str = ""
+    # The KV is the same on every TP rank (MLA's latent): the server keeps one copy per chunk and
+    # loads it into every rank's pool. Fixed by a model's first REGISTER; workers must agree.
+    one_copy: bool = False
 
 
 class RegisterReply(msgspec.Struct, frozen=True):
@@ -404,7 +407,8 @@ def mp_namespace(
     """The key namespace in multi-process mode: rank-free, so every TP rank computes the same keys.
 
     The server keeps one copy of a chunk per rank (one engine per rank), so object identity is
-    (key, rank); a lookup hits only where every rank holds the chunk.
+    (key, rank); a lookup hits only where every rank holds the chunk. A group registered
+    ``one_copy`` (KV the same on every rank) keeps one copy for all ranks instead.
     """
     return Namespace(
         model_id=model_id, kv_dtype=kv_dtype, geometry=tuple(geometry), chunk_size=chunk_size,

@@ -74,6 +74,15 @@ logger = logging.getLogger("kvdepot")
 REGISTER_TIMEOUT_S = 60.0
 
 
+def one_copy(tp_kv_copies: str, kv_factor: int, tp_size: int) -> bool:
+    """Whether the server should keep one copy of a chunk for every TP rank (``tp_kv_copies``):
+    ``auto`` says so for kv_factor 1, the pools TensorRT-LLM gives MLA models, whose latent is the
+    same on every rank; K/V pools hold each rank's own heads."""
+    if tp_size <= 1:
+        return False
+    return tp_kv_copies == "one" or (tp_kv_copies == "auto" and kv_factor == 1)
+
+
 class RemoteEngine:
     """One worker's pool registered with a kvdepot server; thread-safe like the client."""
 
@@ -175,6 +184,7 @@ class RemoteEngine:
             num_blocks=base.num_blocks, num_layers=base.num_layers, kv_factor=base.kv_factor,
             block_elems=base.block_elems, dtype=base.dtype_name, bytes_per_block=base.bytes_per_block,
             pool=self.exported.desc, cache_salt=self._wire_salt,
+            one_copy=one_copy(self.config.tp_kv_copies, base.kv_factor, self.tp_size),
         )
         # NOTE: once per start-up, and slow on a cold server (CUDA init, opening the IPC handle,
         # measured > 2 s on the H200): give it more than an ordinary call's timeout.

@@ -9,9 +9,15 @@
              attaches the caller's pool to the engine first (``register_pool``), serialized by
              the shard's lock. Attaching only happens when the pool changes.
 
+One copy (``Register.one_copy``: KV the same on every rank, MLA's latent): the group has a single
+shard that every rank's registration uses, so a chunk is stored once (a second rank's store of it
+is a duplicate, skipped) and loaded into each rank's pool by attaching that pool as above. The
+group is complete once every rank has registered; its shard keeps the whole host share.
+
 Keys are rank-free (``protocol.mp_namespace``); the shard a chunk lives in supplies the rank, so
 the server's object identity is (key, rank) — in host memory by engine, on disk and in Redis by
-the engine's rank-specific namespace digest.
+the engine's rank-specific namespace digest (``ONE_COPY_RANK`` for a one-copy group's shard, so
+its objects never mix with one rank's).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
 
+ONE_COPY_RANK = -1  # the namespace rank of a one-copy group's shard: "every rank"
+
 
 class Shard:
     """One TP rank of one model: a ``CacheEngine`` plus the lock that serializes pool swaps."""
@@ -49,12 +57,14 @@ class Shard:
         self.group, self.rank = group, rank
         # Keys on the wire are rank-free; the engine's own namespace names the rank, so its disk
         # and Redis objects (stored under the namespace digest) never mix two ranks' bytes.
-        namespace = dataclasses.replace(group.hasher.namespace, tp_rank=rank)
+        namespace = dataclasses.replace(group.hasher.namespace, tp_rank=ONE_COPY_RANK if group.one_copy else rank)
         # Every shard reports to the server's one publisher, as its own holder (events/catalog.py).
         events = group.events.sink((group.name, rank)) if group.events is not None else NULL_SINK
         self.engine = CacheEngine(layout, config, namespace=namespace, events=events)
         self.engine.host.share_budget(group.budget)  # the server's one host budget, for every group
         self.lock = threading.Lock()
+        self._loads: dict[Hashable, int] = {}  # one-copy group: loads so far under each lease
+        self._loads_lock = threading.Lock()  # dict operations only: forget() never waits on a copy
         self.issuer = LayerIssuer(f"kvdepot-layers-{rank}")  # loads answered early: the rest of their layers
         self._attached: torch.Tensor | None = None
         self._placeholder = torch.empty(
@@ -120,6 +130,8 @@ class Shard:
         with self.lock:
             self._check_deadline(deadline_ns)
             self._attach(pool)
+            if self.group.one_copy and lease is not None:
+                lease = self._shared_lease(lease)
             args = dict(skip_blocks=skip_blocks, num_blocks=num_blocks, lease=lease, stream=stream)
             load = None
             if by_layer and self.engine.config.load_by_layer == "auto":
@@ -133,6 +145,30 @@ class Shard:
             return end
 
 
+    def _shared_lease(self, lease: Hashable) -> Hashable | None:
+        """The lease a one-copy load hands the engine (which releases it after loading): the real
+        one for the last rank's load only. Earlier ranks load after the lease's promotion without
+        releasing, so the lookup's pins hold the copy for every rank's load. Under the lock."""
+        with self._loads_lock:
+            count = self._loads.get(lease, 0) + 1
+            last = count >= self.group.tp_size
+            if last:
+                self._loads.pop(lease, None)
+            else:
+                self._loads[lease] = count
+        if last:
+            return lease
+        deadline = time.monotonic() + self.engine.config.lease_timeout_s
+        while not self.engine.promotion_done(lease) and time.monotonic() < deadline:
+            time.sleep(0.0005)  # lower-tier chunks of the hit are still being read into host memory
+        return None
+
+    def forget(self, lease: Hashable) -> None:
+        """The lease was released: no more loads count under it."""
+        with self._loads_lock:
+            self._loads.pop(lease, None)
+
+
 class Group:
     """One model's shards; the first registration fixes its geometry and TP size."""
 
@@ -143,11 +179,14 @@ class Group:
         self.events = events
         self.name = msg.model_id + (f"#{msg.cache_salt}" if msg.cache_salt else "")
         self.geometry, self.dtype, self.tp_size = layout.geometry, layout.dtype, msg.tp_size
+        self.one_copy = _one_copy(msg, config)
+        self.ranks: set[int] = set()  # registered so far (a one-copy group has one shard for all)
         namespace = mp_namespace(msg.model_id, layout.dtype_name, layout.geometry, layout.chunk_size, msg.tp_size, msg.cache_salt)
         self.hasher = ChunkHasher(namespace, config.hash_algo)
         # The ranks share the server's host budget equally; one chunk per rank at least. The disk
         # budget needs no split: every tier under one disk_path shares it (storage/disk_budget.py).
-        per_rank = max(config.host_capacity_gb / msg.tp_size, (layout.chunk_bytes + 64) / 1e9)
+        copies = 1 if self.one_copy else msg.tp_size
+        per_rank = max(config.host_capacity_gb / copies, (layout.chunk_bytes + 64) / 1e9)
         self.config = dataclasses.replace(
             config, host_capacity_gb=per_rank,
             model_id=msg.model_id, cache_salt=msg.cache_salt,
@@ -156,21 +195,26 @@ class Group:
         self._lock = threading.Lock()
 
     def check(self, msg: Register, layout: PoolLayout) -> None:
-        if (layout.geometry, layout.dtype, msg.tp_size) != (self.geometry, self.dtype, self.tp_size):
+        one_copy = _one_copy(msg, self.config)
+        if (layout.geometry, layout.dtype, msg.tp_size, one_copy) != (self.geometry, self.dtype, self.tp_size, self.one_copy):
             raise ProtocolError(
                 ErrorCode.GEOMETRY_MISMATCH,
                 f"model {self.name!r} is registered with geometry (layers, kv_factor, block_elems, "
-                f"element_size, tokens_per_block)={self.geometry}, dtype {self.dtype}, tp_size {self.tp_size}; "
-                f"this worker has {layout.geometry}, {layout.dtype}, tp_size {msg.tp_size}. Workers of one "
+                f"element_size, tokens_per_block)={self.geometry}, dtype {self.dtype}, tp_size {self.tp_size}, "
+                f"one_copy {self.one_copy}; this worker has {layout.geometry}, {layout.dtype}, tp_size "
+                f"{msg.tp_size}, one_copy {one_copy} (tp_kv_copies). Workers of one "
                 "model must agree: give a different model a different model_id (or cache_salt)",
             )
 
     def shard(self, rank: int, layout: PoolLayout, device: int | None = None) -> Shard:
-        """Rank ``rank``'s shard, made by its first registration (``device``: its pool's GPU)."""
+        """Rank ``rank``'s shard, made by its first registration (``device``: its pool's GPU); in a
+        one-copy group every rank's is the one shard (kept under 0)."""
+        slot = 0 if self.one_copy else rank
         with self._lock:
-            shard = self.shards.get(rank)
+            shard = self.shards.get(slot)
             if shard is None:
-                shard = self.shards[rank] = Shard(layout, self.config, self, rank, device)
+                shard = self.shards[slot] = Shard(layout, self.config, self, slot, device)
+            self.ranks.add(rank)
             return shard
 
     def close(self) -> None:
@@ -180,7 +224,7 @@ class Group:
 
     @property
     def complete(self) -> bool:
-        return len(self.shards) == self.tp_size
+        return len(self.ranks) == self.tp_size
 
     def probe(self, keys: Sequence[ChunkKey], skip_tokens: int, lease: Hashable) -> tuple[int, int]:
         """(end of the run every rank holds, end of the part every rank has in host memory now).
@@ -210,7 +254,11 @@ class Group:
     def try_release(self, lease: Hashable) -> bool:
         """``release`` on every rank whose engine is free right now; False where one was busy
         (the caller then releases, idempotently, where it may wait)."""
-        return all(shard.engine.try_release(lease) for shard in list(self.shards.values()))
+        released = all(shard.engine.try_release(lease) for shard in list(self.shards.values()))
+        if released and self.one_copy:
+            for shard in list(self.shards.values()):
+                shard.forget(lease)
+        return released
 
     def promotions_done(self, lease: Hashable) -> bool:
         return all(s.engine.promotion_done(lease) for s in list(self.shards.values()))
@@ -223,6 +271,14 @@ class Group:
     def release(self, lease: Hashable) -> None:
         for shard in list(self.shards.values()):
             shard.engine.release(lease)
+            if self.one_copy:
+                shard.forget(lease)
+
+
+def _one_copy(msg: Register, config: DepotConfig) -> bool:
+    """One copy for every rank: what the worker declared (its ``tp_kv_copies``), unless this
+    server's ``tp_kv_copies`` is per-rank (always safe: each rank's bytes kept apart)."""
+    return msg.one_copy and msg.tp_size > 1 and config.tp_kv_copies != "per-rank"
 
 
 @contextlib.contextmanager
