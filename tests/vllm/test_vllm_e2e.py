@@ -8,7 +8,8 @@ Connector engine, in order: A (2000 tokens: a miss, saved chunk by chunk through
 prefill of 512-token steps), A again (a hit of every full 256-token chunk: 1792 tokens), then
 B = A[:1100] + a new suffix (a hit of the shared prefix's full chunks: 1024 tokens).
 That engine also writes behind to a local redis-server; a third engine, started after it
-exited, finds A in Redis: its first request promotes the chunks, its second one hits them.
+exited (``kv_load_failure_policy: recompute``), finds A in Redis: its first request is served
+from there through vLLM's async-load path, its second one from host memory.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def runs(tiny_model: str, vllm_alone: Any, tmp_path_factory: pytest.TempPathFact
                "log": conn["log"], "second": None}
         if redis is not None:
             # A second vLLM process, empty host memory, the same Redis: A's chunks come from there.
-            second = Child({**common, "prompts": [A, A], "connector": True, "wait_promotions": True,
+            second = Child({**common, "prompts": [A, A], "connector": True, "kv_load_failure_policy": "recompute",
                             "extra_config": {**extra, "stats_file": str(tmp / "second.jsonl")}})
             out["second"] = {"results": second.result(timeout_s=400)["results"], "events": read_events(tmp / "second.jsonl")}
         yield out
@@ -110,11 +111,14 @@ def test_engine_ends_with_no_leases_pins_or_transfers(runs: dict[str, Any]) -> N
 def test_second_vllm_process_hits_what_the_first_wrote_to_redis(runs: dict[str, Any]) -> None:
     if runs["second"] is None:
         pytest.skip("redis-server binary not found: apt-get install redis-server")
-    lookups = by_event(runs["second"]["events"], "lookup")
-    # First request: nothing in this process's host memory; Redis has it -> promoted for later.
-    assert (lookups[0]["cached"], lookups[0]["host"], lookups[0]["new_matched"]) == (1792, 0, 0)
-    assert (lookups[1]["host"], lookups[1]["new_matched"]) == (1792, 1792)
+    events = runs["second"]["events"]
+    lookups = by_event(events, "lookup")
+    # First request: nothing in this process's host memory; Redis has it -> loaded asynchronously.
+    assert [(e["cached"], e["host"], e["new_matched"], e["load_async"]) for e in lookups] == [
+        (1792, 0, 1792, True), (1792, 1792, 1792, False)]
+    [load] = [e for e in by_event(events, "load") if e.get("mode") == "async"]
+    assert load["req"] == lookups[0]["req"] and load["blocks"] == load["wanted"] == 1792 // 128
     first, again = runs["second"]["results"]
-    assert first["num_cached_tokens"] == 0 and again["num_cached_tokens"] == 1792
+    assert first["num_cached_tokens"] == 1792 and again["num_cached_tokens"] == 1792
     assert_same_output(first, runs["base"][0])
     assert_same_output(again, runs["base"][0])

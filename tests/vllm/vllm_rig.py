@@ -16,18 +16,19 @@ CHUNK = 32
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
 
 
-def kv_cache_config() -> Any:
+def kv_cache_config(num_blocks: int = NB) -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=B, num_kv_heads=H, head_size=C, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=NB, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
 
 
-def vllm_config(tmp_path, backend: str = "uni", role: str = "kv_both", **extra: Any) -> Any:
+def vllm_config(tmp_path, backend: str = "uni", role: str = "kv_both", policy: str = "fail", **extra: Any) -> Any:
     from vllm.config import KVTransferConfig
 
     transfer = KVTransferConfig(
         kv_connector="KvDepotConnector", kv_connector_module_path="kvdepot.integrations.vllm", kv_role=role,
+        kv_load_failure_policy=policy,
         kv_connector_extra_config={"chunk_size": CHUNK, "host_capacity_gb": 0.001, "model_id": "tiny",
                                    "stats_file": str(tmp_path / "stats.jsonl"), **extra},
     )
@@ -48,18 +49,18 @@ class Rig:
     """
 
     def __init__(self, tmp_path, backend: str = "uni", role: str = "kv_both", seed: int = 0, handshake: bool = True,
-                 **extra: Any) -> None:
+                 num_blocks: int = NB, policy: str = "fail", **extra: Any) -> None:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
         from kvdepot.integrations.vllm import KvDepotConnector
 
-        config = vllm_config(tmp_path, backend, role, **extra)
+        config = vllm_config(tmp_path, backend, role, policy, **extra)
         self.stats_path = tmp_path / "stats.jsonl"
-        self.worker = KvDepotConnector(config, KVConnectorRole.WORKER, kv_cache_config())
-        buf = torch.zeros(L * NB * H * B * 2 * C)
-        self.caches = dict(zip(LAYERS, buf.view(L, NB, H, B, 2 * C).unbind(0), strict=True))
+        self.worker = KvDepotConnector(config, KVConnectorRole.WORKER, kv_cache_config(num_blocks))
+        buf = torch.zeros(L * num_blocks * H * B * 2 * C)
+        self.caches = dict(zip(LAYERS, buf.view(L, num_blocks, H, B, 2 * C).unbind(0), strict=True))
         self.worker.register_kv_caches(self.caches)
-        self.sched = KvDepotConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+        self.sched = KvDepotConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(num_blocks))
         if handshake:
             self.handshake()
         self.gen = torch.Generator().manual_seed(seed)

@@ -81,6 +81,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvDepotConnector", kv_connector_module_path="kvdepot.integrations.vllm",
             kv_role="kv_both", kv_connector_extra_config=dict(spec.get("extra_config", {})),
+            kv_load_failure_policy=spec.get("kv_load_failure_policy", "fail"),  # recompute: disk/Redis hits load
         )
     started = time.perf_counter()
     llm = LLM(**kwargs)

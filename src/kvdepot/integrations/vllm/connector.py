@@ -10,11 +10,13 @@ half (the logic mirrors the TensorRT-LLM connector step for step):
 
 Scheduler role (``scheduler.py``)                   Worker role (``worker.py``)
   get_num_new_matched_tokens -> keys once, a          register_kv_caches -> per-layer block views
-    lookup under a lease (id = request id)            start_load_kv -> retrieve (sync load)
+    lookup under a lease (id = request id); async     start_load_kv -> retrieve (sync load); take
+    where part of the hit is on disk/Redis              async loads (sent once promoted)
   update_state_after_alloc -> the load vLLM took      wait_for_save -> store every chunk computed
   build_connector_meta -> deltas, load, chunks          by now (later prefill chunks too)
     computed after this step                          handle_preemptions -> wait for their saves
-  request_finished -> True while saves may run        get_finished -> each delayed request once
+  request_finished -> True while saves may run        get_finished -> each delayed request once;
+                                                        each async load once answered
 
 Mode: with ``server_url`` set (extra config, ``KVDEPOT_SERVER_URL``, config file), both halves
 talk to ``kvdepot server``: the scheduler and the worker may live in different processes and
@@ -103,7 +105,7 @@ class KvDepotConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return self._worker.finished(finished_req_ids), None
+        return self._worker.finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -117,7 +119,7 @@ class KvDepotConnector(KVConnectorBase_V1):
     # ---- scheduler role ----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
-        return self._sched.matched(request, num_computed_tokens), False
+        return self._sched.matched(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None

@@ -8,7 +8,9 @@ The TensorRT-LLM connector's scheme (``integrations/tensorrt_llm/metadata.py``):
 only *deltas* — chunk keys and block ids the worker has not seen yet — plus this step's load
 and how many chunks are computed. Two differences for vLLM: request ids are strings, and a
 request that vLLM preempted comes back with a new block list, so its first item after a new
-lookup says ``reset`` (the worker drops what it held and starts over).
+lookup says ``reset`` (the worker drops what it held and starts over). A load vLLM parked
+(``load_kv_async``: part of the hit is on disk or in Redis) arrives before vLLM schedules the
+request, flagged ``load_async``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class VllmRequestMeta(RequestDelta):
     """One request's instructions for this step (ids are vLLM's strings)."""
 
     reset: bool = False  # drop the worker's state for this id first (new or resumed request)
+    load_async: bool = False  # vLLM parked the request for this load: report it in finished_recving
 
 
 @dataclass

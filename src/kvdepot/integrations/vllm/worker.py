@@ -2,10 +2,12 @@
 
     register(kv_caches)       register_kv_caches: per-layer block views -> the provider's engine
     preempted(meta)           handle_preemptions: wait for a preempted request's saves
-    start_load(meta)          start_load_kv: apply the step's deltas, run its loads (synchronous)
+    start_load(meta)          start_load_kv: apply the step's deltas, run its host loads (synchronous),
+                              take its asynchronous loads (disk/Redis hits: ``async_loads.py``)
     save(meta)                wait_for_save: store every chunk computed by now (later prefill chunks
                               too); on CUDA the copy is queued behind the forward pass
-    finished(ids) -> ids      get_finished: each delayed request once, after its saves
+    finished(ids) -> (saved, loaded)   get_finished: each delayed request once, after its saves;
+                              each asynchronous load once, when answered (its failed blocks to the load errors)
     take_load_errors()        get_block_ids_with_load_errors: blocks a load could not fill
     handshake()               get_handshake_metadata: the views' geometry (server mode)
 
@@ -23,6 +25,7 @@ from typing import Any
 
 from kvdepot.engine_api import Engine, Lease, PendingStore
 from kvdepot.integrations.saves import take_saved
+from kvdepot.integrations.vllm.async_loads import AsyncLoad, AsyncLoads
 from kvdepot.integrations.vllm.layout import views_from_kv_caches
 from kvdepot.integrations.vllm.metadata import (
     KvDepotHandshake,
@@ -51,6 +54,8 @@ class Worker:
         self._requests: dict[str, WorkerRequest] = {}
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
+        self._async = AsyncLoads()
+        self._loaded: set[str] = set()  # answered asynchronous loads, not reported yet
 
     def register(self, kv_caches: dict[str, Any]) -> None:
         if self._setup.group is None:
@@ -111,8 +116,12 @@ class Worker:
             state.block_ids.extend(item.new_block_ids)
             if item.save_upto_chunks:
                 state.delayed = True
-            if item.load_num_blocks:
+            if item.load_num_blocks and item.load_async:
+                self._async.add(AsyncLoad(item.request_id, state.keys, state.block_ids, item.load_skip_blocks,
+                                          item.load_num_blocks, self._lease(item.request_id)))
+            elif item.load_num_blocks:
                 self._load(engine, item, state)
+        self._advance(engine)
 
     def _load(self, engine: Engine, item: VllmRequestMeta, state: WorkerRequest) -> None:
         skip, num = item.load_skip_blocks, item.load_num_blocks
@@ -169,8 +178,30 @@ class Worker:
                                     new_chunks=self._provider.store_chunks(handle),
                                     ms=round((time.perf_counter() - started) * 1e3, 3))
 
-    def finished(self, finished_req_ids: set[str]) -> set[str] | None:
-        """Each request whose request_finished returned True, once, when its stores completed."""
+    def _advance(self, engine: Engine) -> None:
+        """Send the asynchronous loads that may go; note those answered for the next get_finished,
+        their failed blocks as load errors now (vLLM wants them no later than the pass that reports
+        the id)."""
+        B = engine.layout.tokens_per_block
+        for load, end in self._async.advance(engine):
+            self._loaded.add(load.request_id)
+            missing = load.errors(end, B)
+            state = self._requests.get(load.request_id)
+            if state is not None:  # loaded chunks are cached already
+                state.saved = max(state.saved, min(end // B // engine.layout.blocks_per_chunk, len(state.keys)))
+            if missing:
+                self._load_errors.update(missing)
+                logger.warning("kvdepot: req=%s async load filled %d of %d blocks; reporting %d as load errors "
+                               "(vLLM recomputes them)", load.request_id, load.num - len(missing), load.num, len(missing))
+            self._setup.stats.write("load", req=load.request_id, skip_blocks=load.skip, blocks=load.num - len(missing),
+                                    wanted=load.num, mode="async")
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Each request whose request_finished returned True, once, when its stores completed; and
+        each asynchronous load, once, when it was answered (vLLM's finished_recving)."""
+        if self._engine is not None:
+            self._advance(self._engine)
+        loaded, self._loaded = self._loaded, set()
         for rid in finished_req_ids:
             state = self._requests.get(rid)
             if state is None:
@@ -186,7 +217,7 @@ class Worker:
         done = set(take_saved(self._finishing, self._requests))
         if done and self._engine is not None and self._setup.stats.path:
             self._setup.stats.write("finished", req=sorted(done), stats=self._provider.stats())
-        return done or None
+        return done or None, loaded or None
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
