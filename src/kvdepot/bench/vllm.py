@@ -67,9 +67,8 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     """One vLLM engine, the spec's prompts in order; returns per-prompt results."""
     for key, value in CHILD_ENV.items():
         os.environ.setdefault(key, value)
-    from vllm.config import KVTransferConfig
-
     from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = dict(
         model=spec["model"], skip_tokenizer_init=True, enforce_eager=True,

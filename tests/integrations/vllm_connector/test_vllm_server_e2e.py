@@ -34,7 +34,7 @@ from kvdepot.bench.vllm import Child
 from kvdepot.server.client import DepotClient
 from kvdepot.server.protocol import GetStats
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "server"))  # the server tests' helpers
+sys.path.insert(0, str(Path(__file__).parents[2] / "server"))  # the server tests' helpers
 from mp_helpers import short_dir, start_server, stop_server, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(VLLM_MISSING, reason=SKIP_REASON)]

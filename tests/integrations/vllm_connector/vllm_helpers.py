@@ -6,8 +6,8 @@ import importlib.util
 
 
 def _vllm_missing() -> bool:
-    """No vLLM package. NOTE: with tests/ on sys.path, this very directory is a namespace package
-    named ``vllm``; only a real package (one with an ``__init__.py``: an origin) counts."""
+    """No vLLM package. Only a real package (one with an ``__init__.py``: an origin) counts: a
+    folder named ``vllm`` on sys.path would import as an empty namespace package."""
     spec = importlib.util.find_spec("vllm")
     return spec is None or spec.origin is None
 
