@@ -116,9 +116,10 @@ def _measure(args: argparse.Namespace, report: Report, ranks: dict[str, list[_Ra
         if time.monotonic() > deadline:
             raise RuntimeError("the ranks did not register with the server")
         time.sleep(0.01)
-    while not all(arena_allocated(r.engine.stats()) for pair in ranks.values() for r in pair):
-        if time.monotonic() > deadline:  # stores before the arena is pinned are refused (slow on CUDA hosts)
-            raise RuntimeError("the server did not pin its host arena in 60 s")
+    # Stores before the server's arena is pinned are refused (seconds on CUDA hosts). Waited for at
+    # most 30 s: a store that still finds no room is caught below ("stored nothing").
+    pinned_by = time.monotonic() + 30
+    while time.monotonic() < pinned_by and not arena_allocated(ranks["per-rank"][0].engine.stats()):
         time.sleep(0.05)
     stored_ids, load_ids = list(range(n_blocks)), list(range(n_blocks, 2 * n_blocks))
     tokens = list(range(1, args.chunks * args.chunk_size + 1))
