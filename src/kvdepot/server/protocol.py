@@ -38,7 +38,7 @@ from typing import Protocol
 import msgspec
 
 from kvdepot.errors import KVDepotError
-from kvdepot.keys import Namespace
+from kvdepot.server import limits
 
 PROTOCOL_VERSION = 1
 
@@ -318,20 +318,9 @@ class Exec(Enum):
     POOL = "pool"  # on the handler pool, always (copies, registration, anything that may wait)
 
 
-# ---- limits: what one message may carry --------------------------------------------------------
-# NOTE: decoding holds the GIL, so a legal maximum decoded on the pool still pauses the loop
-# thread: 16M tokens did for ~0.5 s (seconds on a loaded 2-core host). The limits are a few times
-# the longest prompts served (1M tokens), no more.
-MAX_KEYS = 1 << 16  # chunk keys in one message (a 16M-token prompt at chunk 256, 1M at chunk 16)
-MAX_TOKENS = 1 << 20  # tokens in one LOOKUP by tokens (our clients send keys)
-MAX_BLOCKS = 1 << 20  # block ids in one STORE/RETRIEVE
-INLINE_KEYS = 2048  # a LOOKUP with more keys runs on the pool: the loop thread serves everyone
-# Worst-case msgpack sizes: an int field 9 bytes, a bin or array header 5; a token (uint32) or a
-# block id (< 2**31) at most 5 bytes. A body frame longer than its op's bound cannot be legal, so
-# it is refused before anything is decoded.
-_INT, _HDR, _ID = 9, 5, 5
-_KEYS = _HDR + MAX_KEYS * 16
-_SMALL = 64  # a body of a few ints
+# ---- limits (``limits.py``: what one message may carry) ------------------------------------------
+MAX_KEYS, MAX_TOKENS, MAX_BLOCKS, INLINE_KEYS = limits.MAX_KEYS, limits.MAX_TOKENS, limits.MAX_BLOCKS, limits.INLINE_KEYS
+_INT, _HDR, _ID, _KEYS, _SMALL = limits.INT, limits.HDR, limits.ID, limits.KEYS, limits.SMALL
 _COPY = _HDR + _KEYS + _HDR + MAX_BLOCKS * _ID + 6 * _INT + 4
 
 
@@ -400,17 +389,3 @@ def bind(impl: DepotProtocol) -> dict[int, Bound]:
         table[op] = Bound(spec, method, now)
     return table
 
-
-def mp_namespace(
-    model_id: str, kv_dtype: str, geometry: Sequence[int], chunk_size: int, tp_size: int, cache_salt: str
-) -> Namespace:
-    """The key namespace in multi-process mode: rank-free, so every TP rank computes the same keys.
-
-    The server keeps one copy of a chunk per rank (one engine per rank), so object identity is
-    (key, rank); a lookup hits only where every rank holds the chunk. A group registered
-    ``one_copy`` (KV the same on every rank) keeps one copy for all ranks instead.
-    """
-    return Namespace(
-        model_id=model_id, kv_dtype=kv_dtype, geometry=tuple(geometry), chunk_size=chunk_size,
-        tp_rank=0, tp_size=tp_size, cache_salt=cache_salt,
-    )

@@ -66,6 +66,7 @@ from kvdepot.server.client import DepotClient, ServerError, ServerUnavailable
 from kvdepot.server.copies import AnyLease, CopyHandle, on_stream, wire_lease
 from kvdepot.server.ipc import ExportedPool, export_pool, frame_tensor
 from kvdepot.server.layer_progress import RemoteProgress
+from kvdepot.server.namespace import mp_namespace
 from kvdepot.server.recent_prompts import RecentPrompts
 from kvdepot.transfer.layered import LayerWaits
 
@@ -167,7 +168,7 @@ class RemoteEngine:
             reply = self._send_register()
         layout = dataclasses.replace(self._base, chunk_size=reply.chunk_size)
         geometry = dataclasses.replace(layout, tag="trtllm").geometry  # the server's (untagged) view of it
-        ns = p.mp_namespace(self.model_id, layout.dtype_name, geometry, reply.chunk_size, self.tp_size, self._wire_salt)
+        ns = mp_namespace(self.model_id, layout.dtype_name, geometry, reply.chunk_size, self.tp_size, self._wire_salt)
         hasher = ChunkHasher(ns, reply.hash_algo)
         if hasher.seed != reply.namespace_digest:
             raise Irrecoverable("the server derives chunk keys differently (another kvdepot version?)")

@@ -14,7 +14,7 @@ shard that every rank's registration uses, so a chunk is stored once (a second r
 is a duplicate, skipped) and loaded into each rank's pool by attaching that pool as above. The
 group is complete once every rank has registered; its shard keeps the whole host share.
 
-Keys are rank-free (``protocol.mp_namespace``); the shard a chunk lives in supplies the rank, so
+Keys are rank-free (``namespace.mp_namespace``); the shard a chunk lives in supplies the rank, so
 the server's object identity is (key, rank) — in host memory by engine, on disk and in Redis by
 the engine's rank-specific namespace digest (``ONE_COPY_RANK`` for a one-copy group's shard, so
 its objects never mix with one rank's).
@@ -40,7 +40,8 @@ from kvdepot.events.publisher import KVEventPublisher
 from kvdepot.keys import ChunkHasher, ChunkKey
 from kvdepot.layout import PoolLayout
 from kvdepot.server.layer_progress import LayerIssuer
-from kvdepot.server.protocol import ErrorCode, ProtocolError, Register, mp_namespace
+from kvdepot.server.namespace import mp_namespace
+from kvdepot.server.protocol import ErrorCode, ProtocolError, Register
 from kvdepot.storage.host import Budget
 from kvdepot.transfer.layered import LayerWaits
 
