@@ -9,19 +9,14 @@ talks to a ``kvdepot server`` subprocess (a bytes pool on CPU, CUDA IPC on a GPU
 
 from __future__ import annotations
 
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from kvdepot.bench.server_proc import running_server
 from kvdepot.integrations.tensorrt_llm import mp_adapter, providers
 from kvdepot.integrations.tensorrt_llm.adapter import (
     KvDepotConnectorScheduler,
@@ -38,26 +33,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 @pytest.fixture(scope="module")
 def server_url():
     """One ``python -m kvdepot.server`` for the module; each model gets its own namespace."""
-    workdir = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))  # short: an ipc:// path has 108 bytes at most
-    url, log = f"ipc://{workdir}/s.sock", workdir / "server.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "kvdepot.server", "--url", url, "--chunk-size", str(CHUNK),
-                                 "--host-capacity-gb", "0.2", "--log-level", "WARNING"],
-                                stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while "listening on" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+    with running_server("--chunk-size", str(CHUNK), "--host-capacity-gb", "0.2") as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _prompt(n: int, seed: int) -> list[int]:

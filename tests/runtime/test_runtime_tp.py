@@ -9,19 +9,13 @@ other KV (the lookup's pins hold the chunk, or the request recomputes).
 
 from __future__ import annotations
 
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
-import time
-from pathlib import Path
 
 import pytest
 import torch
 from tp_ranks import CHUNK, TPB, scenario
 
+from kvdepot.bench.server_proc import running_server
 from kvdepot.runtime.model import Segment
 from kvdepot.runtime.tp import TpGroup, launch, shard_model
 from kvdepot.runtime.weights import build_model
@@ -33,26 +27,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.fixture(scope="module")
 def server_url():
-    workdir = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))  # short: an ipc:// path has 108 bytes at most
-    url, log = f"ipc://{workdir}/s.sock", workdir / "server.log"
-    with open(log, "w") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "kvdepot.server", "--url", url, "--chunk-size", str(CHUNK),
-                                 "--host-capacity-gb", "0.01", "--log-level", "WARNING"],
-                                stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while "listening on" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.05)
+    with running_server("--chunk-size", str(CHUNK), "--host-capacity-gb", "0.01") as url:
         yield url
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _exact_hit(rank: dict) -> None:
