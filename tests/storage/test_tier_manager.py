@@ -21,9 +21,10 @@ from kvdepot.storage.admission import SecondHit
 from kvdepot.storage.base import CopyInto, TierStats
 from kvdepot.storage.disk import OFFSET, DiskTier
 from kvdepot.storage.host import HostTier
-from kvdepot.storage.manager import TierManager, TierSizes, size_tiers
+from kvdepot.storage.manager import TierManager
 from kvdepot.storage.promotions import Promotions
 from kvdepot.storage.redis_tier import RedisTier
+from kvdepot.storage.sizing import TierSizes, size_tiers
 
 if TYPE_CHECKING:
     from conftest import RedisServer  # tests/conftest.py
@@ -285,6 +286,39 @@ def test_write_behind_queue_is_bounded_and_never_blocks(make: Callable[..., Tier
     remote.gate.set()
     verify_written(manager, written=3, dropped=3)
     assert sorted(remote.objects) == [key(0), key(1), key(2)]
+
+
+def test_a_long_prompts_write_behind_is_not_dropped_by_default(make: Callable[..., TierManager]) -> None:
+    """512 chunks (a 128K-token prompt at chunk 256) queued while the writer is stuck: all kept.
+    With the old default depth of 32, all but 32 were dropped and never reached Redis."""
+    remote = MemoryTier()
+    remote.gate = threading.Event()
+    manager = make(disk=None, remote=remote, writers=1)
+    assert all(manager.write_behind(key(i), functools.partial(payload, i)) for i in range(512))
+    remote.gate.set()
+    verify_written(manager, written=512)
+
+
+def test_copies_that_hold_their_payload_have_their_own_small_bound(make: Callable[..., TierManager]) -> None:
+    """Copies promoted from Redis to disk carry their bytes in the queue: at most held_depth wait,
+    while plain (lazy) jobs still queue behind them."""
+    remote = MemoryTier()
+    remote.gate = threading.Event()
+    manager = make(disk=None, remote=remote, writers=1, held_depth=2)
+    taken = threading.Event()
+
+    def first() -> bytes:
+        taken.set()
+        return payload(0)
+
+    assert manager.write_behind(key(0), first)
+    assert taken.wait(5)  # the writer is stuck in job 0's gated put
+    held = [manager._enqueue(key(i), functools.partial(payload, i), (remote,), internal=True) for i in (1, 2, 3)]
+    assert held == [True, True, False]
+    assert manager.write_behind(key(4), functools.partial(payload, 4))  # a lazy job is not held back
+    remote.gate.set()
+    verify_written(manager, written=4, dropped=1)
+    assert manager._enqueue(key(5), functools.partial(payload, 5), (remote,), internal=True)  # the bound freed up
 
 
 def test_gone_chunks_and_bad_providers_are_counted(make: Callable[..., TierManager], disk: DiskTier) -> None:

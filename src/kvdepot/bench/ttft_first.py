@@ -78,10 +78,7 @@ def first_hit_rows(args: argparse.Namespace, lengths: list[int], engine: Callabl
         for i, n in enumerate(lengths):
             kv_gb = 2.5 * (n + 64) * kv_bytes_per_token / 1e9  # the prompt and the warm-up, with room
             env = {"KVDEPOT_REMOTE_URL": url, "KVDEPOT_LOWER_TIER_HITS": "load",
-                   "KVDEPOT_CACHE_SALT": f"bench-first-{uuid.uuid4().hex}", "KVDEPOT_HOST_CAPACITY_GB": f"{max(kv_gb, 0.05):.3f}",
-                   # every chunk of every prompt must reach Redis: the default depth (32 jobs) drops
-                   # the rest of a long prompt's write-behind (H200, 8K: only 1024 tokens arrived)
-                   "KVDEPOT_WRITE_QUEUE_DEPTH": str(4 * args.first_prompts * (n // 64 + 8))}
+                   "KVDEPOT_CACHE_SALT": f"bench-first-{uuid.uuid4().hex}", "KVDEPOT_HOST_CAPACITY_GB": f"{max(kv_gb, 0.05):.3f}"}
             with mock.patch.dict(os.environ, env):
                 results = []
                 for role in ("writer", "reader"):

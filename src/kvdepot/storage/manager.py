@@ -14,7 +14,6 @@ Primitives (keys are ``ChunkKey``s; payloads are a chunk's exact bytes):
                                        False when dropped (queue full, closed); never blocks
     note_hits(keys)                    chunks reused from host memory: sightings for admission
     flush(); close()                   wait for queued writes; drain and join every thread
-    size_tiers(bytes_per_block, host_gb, disk_gb, blocks_per_chunk) -> TierSizes
 
 Promotion reads into the caller's memory: a tier with ``get_into`` (the disk) reads and verifies
 the payload in place, so no fresh memory is faulted in per chunk; another (Redis) is read with
@@ -28,8 +27,9 @@ according to ``admission`` (``ADMISSION``): "always", or "second_hit" = only onc
 seen twice (stored or hit), so one-off prompts do not cost disk bandwidth; a refused chunk's
 provider is remembered (bounded) and written when its second sighting comes. Redis, shared
 across nodes, takes every chunk. A chunk promoted from Redis is also copied to disk
-(``promote_to_disk``); the payload is held in the queue until written, so the queue depth bounds
-that memory too. Bounded time: ``find`` costs one in-memory disk check and one Redis pipeline,
+(``promote_to_disk``); such a copy holds its payload until written and has its own small bound
+(``held_depth``); a plain job is a key and a provider, so the queue can be deep (a depth of 32
+dropped all but the first 32 chunks of a long prompt: other nodes never saw the rest). Bounded time: ``find`` costs one in-memory disk check and one Redis pipeline,
 each Redis call has the tier's timeout, and an unavailable tier answers at once.
 """
 
@@ -51,7 +51,6 @@ from kvdepot.keys import ChunkKey
 from kvdepot.storage.admission import ADMISSION
 from kvdepot.storage.base import Tier, TierStats
 from kvdepot.storage.codec import Payload
-from kvdepot.storage.disk import OFFSET as DISK_OVERHEAD
 from kvdepot.storage.disk import DiskTier
 from kvdepot.storage.redis_tier import RedisTier
 
@@ -87,32 +86,6 @@ class HoldingTier(LowerTier, Protocol):
     def get_into(self, key: ChunkKey, out: Payload, *, held: int | None = None) -> int | None: ...
 
 
-# ---- sizing ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TierSizes:
-    """The leader's answer to a worker's bytes_per_block: capacities in whole chunks and blocks."""
-
-    bytes_per_block: int
-    blocks_per_chunk: int
-    host_chunks: int
-    disk_chunks: int
-    num_host_blocks: int
-    num_disk_blocks: int
-
-
-def size_tiers(bytes_per_block: int, host_capacity_gb: float, disk_capacity_gb: float, blocks_per_chunk: int) -> TierSizes:
-    """Blocks each tier holds. Tiers store whole chunks; a disk file adds its header block
-    (``disk.OFFSET`` bytes), which the disk tier counts against its capacity."""
-    if bytes_per_block <= 0 or blocks_per_chunk <= 0:
-        raise ConfigError(f"bytes_per_block={bytes_per_block} and blocks_per_chunk={blocks_per_chunk} must be positive")
-    if host_capacity_gb < 0 or disk_capacity_gb < 0:
-        raise ConfigError(f"capacities must be >= 0 GB, got host={host_capacity_gb} disk={disk_capacity_gb}")
-    chunk = bytes_per_block * blocks_per_chunk
-    host = int(host_capacity_gb * 1e9) // chunk
-    disk = int(disk_capacity_gb * 1e9) // (chunk + DISK_OVERHEAD)
-    return TierSizes(bytes_per_block, blocks_per_chunk, host, disk, host * blocks_per_chunk, disk * blocks_per_chunk)
-
-
 # ---- manager --------------------------------------------------------------------------------
 @dataclass
 class ManagerStats:
@@ -138,15 +111,17 @@ class TierManager:
         remote: LowerTier | None = None,
         *,
         admission: str = "always",
-        queue_depth: int = 32,
+        queue_depth: int = 4096,
+        held_depth: int = 32,
         writers: int = 1,
         promoters: int = 2,
         promote_to_disk: bool = True,
     ) -> None:
         if admission not in ADMISSION:
             raise ConfigError(f"admission {admission!r} is not one of {sorted(ADMISSION)}")
-        if queue_depth < 1 or writers < 1 or promoters < 1:
-            raise ConfigError(f"queue_depth={queue_depth}, writers={writers}, promoters={promoters} must be >= 1")
+        if queue_depth < 1 or held_depth < 1 or writers < 1 or promoters < 1:
+            raise ConfigError(f"queue_depth, held_depth, writers, promoters must be >= 1: {queue_depth, held_depth, writers, promoters}")
+        self._held_depth, self._held = held_depth, 0  # queued copies that hold their payload
         self.disk, self.remote = disk, remote
         self.tiers: list[LowerTier] = [t for t in (disk, remote) if t is not None]
         self.promote_to_disk = promote_to_disk
@@ -156,7 +131,7 @@ class TierManager:
         self._stats = ManagerStats()
         self._closing = False  # refuse new work from callers
         self._stopped = False  # refuse internal work too (promote copies)
-        self._queue: queue.Queue[tuple[ChunkKey, Provider, tuple[LowerTier, ...]] | None] = queue.Queue(queue_depth)
+        self._queue: queue.Queue[tuple[ChunkKey, Provider, tuple[LowerTier, ...], bool] | None] = queue.Queue(queue_depth)
         self._pool = ThreadPoolExecutor(promoters, thread_name_prefix="kvdepot-promote")
         self._writers = [
             threading.Thread(target=self._write_loop, name=f"kvdepot-writer-{i}", daemon=True)
@@ -310,9 +285,10 @@ class TierManager:
     def _enqueue(self, key: ChunkKey, provider: Provider, targets: tuple[LowerTier, ...], *, internal: bool = False) -> bool:
         with self._lock:
             try:
-                if self._stopped or (self._closing and not internal):
+                if self._stopped or (self._closing and not internal) or (internal and self._held >= self._held_depth):
                     raise queue.Full
-                self._queue.put_nowait((key, provider, targets))
+                self._queue.put_nowait((key, provider, targets, internal))
+                self._held += internal
             except queue.Full:
                 self._stats.dropped += 1
                 for tier in targets:
@@ -323,13 +299,17 @@ class TierManager:
 
     def _write_loop(self) -> None:
         while (job := self._queue.get()) is not None:
+            key, provider, targets, held = job
             try:
-                self._write(*job)
+                self._write(key, provider, targets)
             except Exception:  # the worker boundary: a bad provider must not kill the writer
-                logger.warning("write-behind of chunk %s failed", job[0].hex(), exc_info=True)
+                logger.warning("write-behind of chunk %s failed", key.hex(), exc_info=True)
                 with self._lock:
                     self._stats.write_failures += 1
             finally:
+                if held:
+                    with self._lock:
+                        self._held -= 1
                 self._queue.task_done()
         self._queue.task_done()
 
