@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -86,8 +85,8 @@ def _in_fresh_process(args: argparse.Namespace, order: str) -> list[dict[str, An
         out = Path(tmp) / "rows.json"
         cmd = [sys.executable, "-m", "kvdepot.cli", "bench", "firsthit", "--order", order, "--device", args.device,
                "--model", args.model, "--length", str(args.length), "--hits", str(args.hits), "--json", str(out)]
-        subprocess.run(cmd, check=True, env=os.environ.copy(), stdout=subprocess.DEVNULL)
-        return [row for row in json.loads(out.read_text())["rows"]]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["rows"]
 
 
 def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
