@@ -159,6 +159,18 @@ def ask_until_promoted(rig: Rig, req: Any) -> int:
     raise AssertionError("the lookup never settled")
 
 
+def load_promoted_hit(b: Rig, a: Rig, req: Any) -> None:
+    """Under ``fail``: ask until the promotion is done, then load the whole hit like a host hit
+    (bit-exact against ``a``, no load errors) and finish the request."""
+    assert ask_until_promoted(b, req) == HIT
+    b.sched.update_state_after_alloc(req, blocks(IDS_B), HIT)
+    b.step(new_step("r", IDS_B, HIT, len(PROMPT) - HIT), computed_blocks=IDS_B[HIT // B :])
+    assert b.worker.get_block_ids_with_load_errors() == set()
+    assert_blocks_equal(b, a, HIT // B)
+    b.sched.request_finished(req, IDS_B)
+    b.worker.get_finished({"r"})
+
+
 def test_vllms_default_fail_policy_waits_for_the_promotion_then_loads_from_host(tmp_path) -> None:
     disk = str(tmp_path / "depot")
     a = stored_by_another_engine(tmp_path, disk_path=disk)
@@ -169,13 +181,7 @@ def test_vllms_default_fail_policy_waits_for_the_promotion_then_loads_from_host(
     assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)  # vLLM asks again next step
     assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)
     gate.set()
-    assert ask_until_promoted(b, req) == HIT
-    b.sched.update_state_after_alloc(req, blocks(IDS_B), HIT)
-    b.step(new_step("r", IDS_B, HIT, len(PROMPT) - HIT), computed_blocks=IDS_B[HIT // B :])
-    assert b.worker.get_block_ids_with_load_errors() == set()
-    assert_blocks_equal(b, a, HIT // B)
-    b.sched.request_finished(req, IDS_B)
-    b.worker.get_finished({"r"})
+    load_promoted_hit(b, a, req)
     assert_nothing_pinned()
 
 

@@ -21,9 +21,9 @@ from test_vllm_lower_tiers import (
     NUM_BLOCKS,
     PROMPT,
     ask,
-    ask_until_promoted,
     assert_blocks_equal,
     hold_promotions,
+    load_promoted_hit,
     redis_corrupt,
     wait_loaded,
 )
@@ -134,13 +134,7 @@ def test_under_the_fail_policy_the_lookup_waits_for_the_servers_promotion(server
     req = request("r", PROMPT)
     assert b.sched.get_num_new_matched_tokens(req, 0) == (None, False)
     gate.set()
-    assert ask_until_promoted(b, req) == HIT
-    b.sched.update_state_after_alloc(req, blocks(IDS_B), HIT)
-    b.step(new_step("r", IDS_B, HIT, len(PROMPT) - HIT), computed_blocks=IDS_B[HIT // B :])
-    assert b.worker.get_block_ids_with_load_errors() == set()
-    assert_blocks_equal(b, a, HIT // B)
-    b.sched.request_finished(req, IDS_B)
-    b.worker.get_finished({"r"})
+    load_promoted_hit(b, a, req)
     shard = next(iter(figures(server.url).values()))
     assert shard["live_leases"] == 0 and shard["pinned_chunks"] == 0
 
