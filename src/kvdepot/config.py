@@ -83,13 +83,19 @@ class DepotConfig:
     )
     lower_tier_hits: str = _key(
         "load",
-        "How a hit found only on disk/Redis is served. load: the request that found it is promised "
-        "the whole hit and waits (TensorRT-LLM: parked, is_async=True) while it is read into host "
-        "memory; a promised chunk that cannot be delivered then fails that request with an error "
-        "(TensorRT-LLM 1.2) or is recomputed (vLLM), never wrong KV (docs/tiers.md). prefetch: "
-        "the request gets only the host part; the rest is promoted in the background for later "
-        "requests. The old value async means load.",
+        "How a hit found only on disk/Redis is served to the request that found it. load: "
+        "TensorRT-LLM's lookup waits (at most lower_tier_wait_s) while it is read into host memory "
+        "and is promised what arrived; vLLM's request is parked while it is read and recomputes "
+        "what could not be (docs/tiers.md). prefetch: the request gets only the host part; the "
+        "rest is promoted in the background for later requests. The old value async means load.",
         choices=("load", "prefetch"),
+    )
+    lower_tier_wait_s: float = _key(
+        1.0,
+        "TensorRT-LLM, lower_tier_hits: load: the longest a lookup waits for a disk/Redis hit to be "
+        "read into host memory before it promises what has arrived (1.2 cannot take back a promise "
+        "that then fails, so it promises only bytes already read); 0 = never wait.",
+        minimum=0,
     )
 
     kv_events_endpoint: str | None = _key(

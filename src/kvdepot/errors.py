@@ -28,7 +28,7 @@ class Irrecoverable(KVDepotError):
 
 
 class PromisedLoadFailed(KVDepotError, RuntimeError):
-    """A load promised to the engine delivered fewer tokens than promised (a chunk vanished or
-    failed every checksum after the lookup, the server went away). Raised in the forward of the
-    step that would read those blocks, so the engine answers the request with an error instead
-    of computing from KV that is not there (TensorRT-LLM 1.2 cannot take a promise back)."""
+    """A load promised to the engine delivered fewer tokens than promised (the server went away or
+    the lease was lost after the lookup). TensorRT-LLM 1.2 can neither take a promise back nor end
+    a request with an error without storing its blocks for device reuse, so the connector raises
+    this outside the forward and the engine's loop stops (a fail-stop, never wrong KV)."""

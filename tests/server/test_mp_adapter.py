@@ -105,7 +105,7 @@ def test_saved_prompt_is_loaded_bit_exact_synchronously(connector):
     assert matched == (96, False)  # block-aligned, leaves a prompt token to compute
     scheduler.update_state_after_alloc(Request(2, PROMPT), second)
     meta = step(scheduler, worker, [RequestData(2, PROMPT, second, 0, len(PROMPT) - 96)])
-    assert meta.requests[0].load_num_blocks == 12 and not meta.requests[0].load_async
+    assert meta.requests[0].load_num_blocks == 12
     assert torch.equal(pool[second[:12]], pool[first[:12]])
     assert worker.get_finished([], []) == ([], [])
 
@@ -162,30 +162,35 @@ def test_device_prefix_and_whole_prompt_hits_stay_legal(connector):
     assert scheduler.get_num_new_matched_tokens(Request(4, exact), 0) == (88, False)
 
 
-def test_async_load_completes_through_get_finished(connector, monkeypatch):
+def test_a_hit_still_being_promoted_is_waited_for_then_promised_synchronously(connector, monkeypatch):
+    """TensorRT-LLM promises only bytes in host memory: a lookup whose hit is still being promoted
+    waits for the promotion (``lower_tier_wait_s``), looks again, and promises what is there then."""
     scheduler, worker, pool, _ = connector
     first = list(range(13))
     save_request(scheduler, worker, 1, first)
     real_probe = RemoteEngine.probe
+    probes = []
 
-    def staging(self, *args, **kw):  # as if the server were still promoting the hit from disk
-        return Hit(real_probe(self, *args, **kw).tokens, 0)
+    def staging(self, *args, **kw):  # the first look finds the hit still being promoted from disk
+        hit = real_probe(self, *args, **kw)
+        probes.append(hit)
+        return Hit(hit.tokens, 0) if len(probes) == 1 else hit
 
     monkeypatch.setattr(RemoteEngine, "probe", staging)
     remote = providers.current_remote()
     remote.config = dataclasses.replace(remote.config, lower_tier_hits="prefetch")
-    assert scheduler.get_num_new_matched_tokens(Request(4, PROMPT), 0) == (0, False)  # prefetch: host part only
+    assert scheduler.get_num_new_matched_tokens(Request(4, PROMPT), 0) == (0, False)  # prefetch: no wait
+    scheduler.request_finished(Request(4, PROMPT), [])
+    probes.clear()
     remote.config = dataclasses.replace(remote.config, lower_tier_hits="load")
-    assert scheduler.get_num_new_matched_tokens(Request(5, PROMPT), 0) == (96, True)
+    assert scheduler.get_num_new_matched_tokens(Request(5, PROMPT), 0) == (96, False)
+    assert len(probes) == 2  # the second look, after the promotion, answered the promise
     blocks = list(range(16, 29))
     scheduler.update_state_after_alloc(Request(5, PROMPT), blocks)
-    meta = step(scheduler, worker)  # parked: not in the scheduler output, loaded anyway
-    assert [(r.request_id, r.load_num_blocks, r.load_async) for r in meta.requests] == [(5, 12, True)]
-    assert finish(worker, loading=[5]) == (set(), {5})
+    meta = step(scheduler, worker, [RequestData(5, PROMPT, blocks, 0, 4)])
+    assert [r.load_num_blocks for r in meta.requests] == [12]
     assert torch.equal(pool[blocks[:12]], pool[first[:12]])
-    # Then it is scheduled like any context request, with the loaded tokens computed.
-    meta = step(scheduler, worker, [RequestData(5, PROMPT, blocks, 96, 4)])
-    assert [r.load_num_blocks for r in meta.requests] == [0]
+    assert worker.get_finished([], []) == ([], [])
 
 
 def test_server_down_means_misses_and_skipped_saves(connector):
@@ -229,18 +234,17 @@ def test_disk_hit_is_prefetched_for_later_requests_with_prefetch(disk_connector)
     assert torch.equal(pool[blocks[:12]], pool[first[:12]])
 
 
-def test_disk_hit_is_promoted_then_loaded_asynchronously(disk_connector):
+def test_disk_hit_is_read_before_it_is_promised(disk_connector):
     scheduler, worker, pool, _ = disk_connector
     remote = providers.current_remote()
     remote.config = dataclasses.replace(remote.config, lower_tier_hits="load")
     first = list(range(13))
     _evict_to_disk(scheduler, worker, first)
     matched = scheduler.get_num_new_matched_tokens(Request(3, PROMPT), 0)
-    assert matched == (96, True)  # on disk only: TensorRT-LLM parks the request
+    assert matched == (96, False)  # on disk only: read into host memory during the lookup, then promised
     blocks = list(range(16, 29))
     pool[blocks] = 0
     scheduler.update_state_after_alloc(Request(3, PROMPT), blocks)
-    meta = step(scheduler, worker)
-    assert [(r.request_id, r.load_async) for r in meta.requests] == [(3, True)]
-    assert finish(worker, loading=[3]) == (set(), {3})
+    meta = step(scheduler, worker, [RequestData(3, PROMPT, blocks, 0, 4)])
+    assert [r.load_num_blocks for r in meta.requests] == [12]
     assert torch.equal(pool[blocks[:12]], pool[first[:12]])

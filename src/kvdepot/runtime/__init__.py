@@ -8,7 +8,7 @@ objects a connector receives. ``tp`` runs tensor parallelism as TensorRT-LLM doe
 
 from kvdepot.runtime.block_manager import Allocation, BlockManager, OutOfBlocks
 from kvdepot.runtime.connector import ConnectorManager, resolve_connector_classes
-from kvdepot.runtime.executor import Engine
+from kvdepot.runtime.executor import Engine, ExecutorStopped
 from kvdepot.runtime.llm_args import (
     CapacitySchedulerPolicy,
     KvCacheConfig,
@@ -30,7 +30,7 @@ from kvdepot.runtime.weights import (
 
 __all__ = [
     "PRESETS", "Allocation", "BlockManager", "CapacitySchedulerPolicy", "ConnectorManager",
-    "CppRequestView", "Engine", "KvCacheConfig", "KvCacheConnectorConfig", "LlamaModel",
+    "CppRequestView", "Engine", "ExecutorStopped", "KvCacheConfig", "KvCacheConnectorConfig", "LlamaModel",
     "LlamaWeights", "LlmRequest", "LlmRequestState", "MainKvCacheConnectorConfig", "ModelConfig", "OutOfBlocks", "Result",
     "RopeScaling", "SchedulerConfig", "Segment", "TorchLlmArgs", "TpGroup", "build_model", "config_from_hf",
     "launch", "load_checkpoint", "random_weights", "resolve_connector_classes",

@@ -18,10 +18,14 @@ One ``step()`` is one ``_executor_loop`` iteration (eager, reference §5.1):
 5. ``get_finished(new_saving_ids, new_loading_ids)``: unpins saved blocks, unparks loaded requests.
 
 An exception raised in the forward (a layer hook, the forward-pass callable, ``wait_for_save``) is
-caught, as 1.2's executor does (reference §7.3): every active request that is not parked for a
-load ends with an error response (``Result.error``), nothing it computed is offered for device
-reuse, and the loop goes on. An exception from any other connector call propagates (1.2's loop
-stops).
+caught, as 1.2's executor does (``_forward_step`` → ``_handle_errors``; reference §7.3, and
+docs/tensorrt-llm.md for what was read of 1.2's sources): **every** active request, parked loads
+included, ends with an error response (``Result.error``) and is freed the way 1.2 frees it —
+``releaseBlocks`` stores each one's full blocks of ``tokens[:-1]`` for device reuse whatever they
+hold (nothing checks what was computed), and ``request_finished`` is not called for it. Then, with
+the overlap scheduler (1.2's default), the loop stops (``assert sample_state is not None``); without
+it the loop goes on, and a later prompt with the same prefix reuses those blocks. An exception from
+any other connector call propagates (1.2's loop stops, nothing is freed or stored).
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ from kvdepot.runtime.model import ModelConfig, Segment
 from kvdepot.runtime.request import LlmRequest, LlmRequestState, Result
 from kvdepot.runtime.tp import TpGroup, shard_model
 from kvdepot.runtime.weights import build_model
+
+
+class ExecutorStopped(RuntimeError):
+    """The executor loop has ended (1.2's overlap loop after an error in the forward)."""
+
 
 CPU_DEFAULT_MAX_TOKENS = 16384  # pool size on CPU when kv_cache_config.max_tokens is unset
 State = LlmRequestState
@@ -180,6 +189,9 @@ class Engine:
             except Exception as exc:  # noqa: BLE001 - 1.2 answers the requests with the error
                 failed = self._fail_active(f"{type(exc).__name__}: {exc}")
                 previous = [(r, n) for r, n in previous if r.request_id not in failed]
+                if self.overlap:  # 1.2's overlap loop: no sample state after a failed forward
+                    raise ExecutorStopped("Sampling failed (1.2's overlap loop ends after an error in the "
+                                          f"forward: {type(exc).__name__}: {exc})") from exc
         # Overlap: the previous iteration's tokens reach the host now, after this forward was issued.
         self._process(previous if self.overlap else self._unprocessed)
         if not self.overlap:
@@ -342,15 +354,8 @@ class Engine:
             if req.state == State.GENERATION_COMPLETE and num_tokens == len(req.tokens):
                 self._finish(req)
 
-    def _finish(self, req: LlmRequest, error: str | None = None) -> None:
-        self.results[req.request_id] = Result(
-            req.request_id, req.prompt_len, req.generated, req.logits,
-            ttft_s=req.first_token_time - req.submit_time,  # type: ignore[operator]
-            latency_s=req.finish_time - req.submit_time,  # type: ignore[operator]
-            num_device_reused_tokens=req.num_device_reused_tokens,
-            num_connector_matched_tokens=req.num_connector_matched_tokens,
-            connector_async_load=req.connector_async_load, error=error,
-        )
+    def _finish(self, req: LlmRequest) -> None:
+        self.results[req.request_id] = self._result(req)
         block_ids = self.blocks.block_ids(req.request_id)
         if self.connector is not None and self.connector.request_finished(req, block_ids):
             # 1.2: the request is answered and freed; only its blocks stay, pinned, until reported.
@@ -359,18 +364,34 @@ class Engine:
         else:
             self._release(req.request_id)
 
+    @staticmethod
+    def _result(req: LlmRequest, error: str | None = None) -> Result:
+        return Result(
+            req.request_id, req.prompt_len, req.generated, req.logits,
+            ttft_s=req.first_token_time - req.submit_time,  # type: ignore[operator]
+            latency_s=req.finish_time - req.submit_time,  # type: ignore[operator]
+            num_device_reused_tokens=req.num_device_reused_tokens,
+            num_connector_matched_tokens=req.num_connector_matched_tokens,
+            connector_async_load=req.connector_async_load, error=error,
+        )
+
     def _fail_active(self, error: str) -> set[int]:
-        """1.2's ``_handle_errors``: every active request ends with an error response (the ids
-        returned). Parked loads stay parked (they have not run; the connector reports them later)."""
-        failed = [r for r in self._active if r.state != State.DISAGG_GENERATION_TRANS_IN_PROGRESS]
+        """1.2's ``_handle_errors``: every active request, parked or not, ends with an error response
+        (the ids returned) and is freed as ``free_resources`` frees it: its full blocks of
+        ``tokens[:-1]`` are stored for device reuse, computed or not (C++ ``releaseBlocks``), and the
+        connector's ``request_finished`` is not called (``get_cache_indices`` fails for a removed
+        sequence and the executor skips the save)."""
+        failed = list(self._active)
         ids = {r.request_id for r in failed}
         self._unprocessed = [(r, n) for r, n in self._unprocessed if r.request_id not in ids]
-        self._active = [r for r in self._active if r.request_id not in ids]
+        self._active = []
         now = time.perf_counter()
         for req in failed:
             req.state, req.finish_time = State.GENERATION_COMPLETE, now
             req.first_token_time = req.first_token_time or now
-            self._finish(req, error)
+            self.results[req.request_id] = self._result(req, error)
+            self.blocks.commit(req.request_id, req.tokens, len(req.tokens) - 1)
+            self._release(req.request_id)
         return ids
 
     def _release(self, request_id: int) -> None:

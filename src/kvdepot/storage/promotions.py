@@ -47,13 +47,15 @@ class Promotions:
         """How many chunks after the host hit ``keys[:found]`` the lower tiers hold.
 
         Bounded: tiers answer within their timeouts. With ``lease`` they are promoted in the
-        background; without one nothing is promoted.
+        background (unless the lease has a promotion already); without one nothing is promoted.
         """
         if self.lower is None:
             return 0
         self.lower.note_hits(keys[:found])
         more = self.lower.find(keys[found:]) if found < len(keys) else 0
-        if more and lease is not None:
+        # One promotion per lease: a second look under the same lease (a lookup that waited for
+        # the first) must not start another, which would orphan the first one's pins.
+        if more and lease is not None and lease not in self._by_lease:
             future = self.lower.promote(keys[found : found + more], self._reserve(lease))
             self._by_lease[lease] = future
             with self._lock:

@@ -115,3 +115,22 @@ def test_a_failed_load_raises_after_the_others_are_waited(caplog: pytest.LogCapt
         hooks.end_forward(STREAM, LAYERS)
     # The failed load was reported by its raise; it is no missed hook, so layers stay on.
     assert hooks.allowed and not caplog.text
+
+
+def test_a_layered_load_that_fails_in_the_forward_stops_the_loop_at_the_next_call_outside_it() -> None:
+    """A layer that never arrived (server mode: the server could not copy it) must fail the forward,
+    and 1.2 then stores the failed requests' blocks for device reuse; the worker ends the loop at the
+    next call outside the forward (``get_finished``), before another step could reuse them."""
+    from kvdepot.errors import PromisedLoadFailed
+    from kvdepot.integrations.tensorrt_llm.adapter import KvDepotConnectorWorker
+    from kvdepot.runtime import TorchLlmArgs
+
+    worker = KvDepotConnectorWorker(TorchLlmArgs())
+    worker._hooks.add(Waits([], fail=True))
+    with pytest.raises(TransferFailed):
+        worker.wait_for_layer_load(0, STREAM)
+    assert worker.stats.failed_promises == 1
+    with pytest.raises(PromisedLoadFailed, match="layer 0"):
+        worker.get_finished([], [])
+    with pytest.raises(PromisedLoadFailed):
+        worker.start_load_kv(STREAM)

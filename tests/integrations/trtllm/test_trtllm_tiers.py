@@ -47,8 +47,9 @@ def filler_for(max_tokens: int) -> list[int]:
     return prompt(max_tokens - 3, 98)
 
 
-def test_restarted_process_hits_from_disk_async(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """``load`` (the default): the first request after a restart is parked and served from disk."""
+def test_restarted_process_hits_from_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``load`` (the default): the first request after a restart is served from disk, read into
+    host memory while its lookup waits, then promised synchronously."""
     monkeypatch.setenv("KVDEPOT_CHUNK_SIZE", "64")
     monkeypatch.setenv("KVDEPOT_DISK_PATH", str(tmp_path / "depot"))
     caplog.set_level(logging.INFO, logger="kvdepot")
@@ -57,8 +58,8 @@ def test_restarted_process_hits_from_disk_async(tmp_path: Path, monkeypatch: pyt
     destroy_engine()  # drains write-behind to disk, like a process exit
     again = engine(768).generate([a], 4)[0]  # fresh engine: empty host tier, same disk
     trt, _cached, new = lookups(caplog)[again.request_id]
-    assert trt == 0 and new == 640 and again.connector_async_load
-    assert "async" in [r.getMessage() for r in caplog.records if LOOKUP.search(r.getMessage())][-1]
+    assert trt == 0 and new == 640 and not again.connector_async_load
+    assert "waited" in [r.getMessage() for r in caplog.records if LOOKUP.search(r.getMessage())][-1]
     assert_same(again, first)
     stats = current_engine().stats()
     assert stats.live_leases == 0 and stats.pinned_chunks == 0 and stats.promoting == 0
@@ -133,7 +134,7 @@ def test_two_processes_share_through_redis(redis_server, mode: str) -> None:
     reader = run_process(60, env, "once" if mode == "load" else "twice")  # fresh: empty host tier
     assert writer["logs"] == ["lookup req=1 trt_matched=0 cached=0 new_matched=0"]
     assert "trt_matched=0 cached=640 new_matched=640" in reader["logs"][-1]
-    assert reader["async"] == (mode == "load")
+    assert reader["async"] is False  # only bytes in host memory are promised, synchronously
     assert reader["out"] == writer["out"]
     assert redis_server.client().dbsize() == (10 if mode == "load" else 10 + 765 // 64)  # + the filler
 

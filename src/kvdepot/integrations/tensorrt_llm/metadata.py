@@ -16,9 +16,8 @@ from kvdepot.integrations.deltas import RequestDelta
 
 @dataclass
 class RequestMeta(RequestDelta):
-    """One request's instructions for this step (ids are TensorRT-LLM's integers)."""
-
-    load_async: bool = False  # parked by TensorRT-LLM: load when promoted, report via get_finished
+    """One request's instructions for this step (ids are TensorRT-LLM's integers); every load in
+    it is synchronous (the scheduler promises only bytes in host memory)."""
 
 
 @dataclass
@@ -27,6 +26,5 @@ class KvDepotMetadata:
 
     requests: list[RequestMeta] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
-    new_request_ids: list[int] = field(default_factory=list)  # the step's new_requests (scheduled now)
     lease_session: int = 0  # server mode: the scheduler's session, which holds the lookups' leases
     lease_token: bytes = b""  # ... and its token: without it the server refuses other ranks' loads

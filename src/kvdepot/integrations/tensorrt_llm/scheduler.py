@@ -8,18 +8,24 @@
 The engine comes from the provider (``providers.py``): in-process, the ``CacheEngine`` the worker
 registered; in server mode, the worker's ``RemoteEngine`` (LOOKUP + QUERY_PREFETCH_STATUS answer
 ``probe``, and every TP rank must hold a chunk for it to count). Either way the answer is "no hit"
-until the worker has registered. A hit in host memory loads synchronously. A hit partly below host memory (disk,
-Redis), with ``lower_tier_hits: load`` (the default), is promised whole with ``is_async=True``:
-TensorRT-LLM parks the request while the probe's promotion reads the rest into host slots pinned
-under the request's lease, and the worker reports it through ``get_finished`` once loaded. A
-promise that still comes up short fails that request with an error, never wrong KV (worker.py,
-docs/tiers.md). With ``prefetch`` only the host part is promised; the rest is promoted for later
+until the worker has registered.
+
+Only bytes already in host memory, pinned under the request's lease, are ever promised, and always
+synchronously (``is_async=False``): TensorRT-LLM 1.2 cannot take a promised load back, and every
+way a promise can end short there is unsafe (an error in the forward fails the step's requests
+and stores their unwritten blocks in its own prefix tree for device reuse; a parked request that
+is cancelled is stored the same way; docs/tensorrt-llm.md has the evidence). So a hit partly on
+disk or in Redis, with ``lower_tier_hits: load`` (the default), makes the lookup wait — bounded
+by ``lower_tier_wait_s`` — while the probe's promotion reads it into host slots, then promises
+what arrived: a chunk gone, corrupt or unreachable before the promise is simply not promised (the
+engine recomputes it). With ``prefetch`` the lookup does not wait; the promotion serves later
 requests.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -37,7 +43,6 @@ class _SchedRequest(SentState):
     """What the scheduler knows of one live request: the planner's sent-state plus its tokens."""
 
     tokens: list[int]
-    load_async: bool = False  # the load waits for a promotion from a lower tier
 
 
 class KvDepotScheduler(KvCacheConnectorScheduler):
@@ -69,20 +74,38 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         state = _SchedRequest(getattr(request, "prompt_len", len(tokens)), engine.chunk_keys(tokens), tokens=tokens)
         self._requests[rid] = state
         hit = engine.probe(state.keys, skip_tokens=num_computed_tokens, lease=Lease(rid))
-        usable = hit.tokens if engine.config.lower_tier_hits == "load" else hit.host_tokens
+        waited = 0.0
+        if hit.pending and engine.config.lower_tier_hits == "load":
+            hit, waited = self._await_promotion(engine, state, num_computed_tokens, Lease(rid))
         # Leave at least one prompt token to compute (TensorRT-LLM checks prepopulated < prompt_len).
         limit = (state.prompt_len - 1) // self._block * self._block
-        matched = max(0, min(usable, limit) - num_computed_tokens) // self._block * self._block
+        matched = max(0, min(hit.host_tokens, limit) - num_computed_tokens) // self._block * self._block
         if matched:
             state.load = (num_computed_tokens // self._block, matched // self._block)
-            state.load_async = num_computed_tokens + matched > hit.host_tokens
         else:
-            engine.release(Lease(rid))
-        logger.info(
-            "lookup req=%s trt_matched=%d cached=%d new_matched=%d%s", rid, num_computed_tokens, hit.tokens,
-            matched, " async" if state.load_async else "",
-        )
-        return matched, state.load_async
+            engine.release(Lease(rid))  # a promotion it started runs on as a prefetch
+        logger.info("lookup req=%s trt_matched=%d cached=%d new_matched=%d%s", rid, num_computed_tokens, hit.tokens,
+                    matched, f" (waited {waited * 1e3:.1f} ms for lower tiers)" if waited else "")
+        return matched, False
+
+    @staticmethod
+    def _await_promotion(engine: Engine, state: _SchedRequest, skip: int, lease: Lease) -> tuple[Any, float]:
+        """Wait (at most ``lower_tier_wait_s``) for the probe's promotion, then look the prefix up
+        again under the same lease: its answer's host part is what is now read, verified and pinned.
+
+        Why the scheduler waits: the alternative, a promise before the bytes are in host memory,
+        has no safe ending on TensorRT-LLM 1.2 if a read then fails (module docstring). The wait is
+        the read the request would wait for anyway; other requests' steps wait with it, which a
+        recompute of the same prefix (a prefill step) would also make them do, for longer where
+        reading is faster than recomputing."""
+        started = time.monotonic()
+        deadline = started + engine.config.lower_tier_wait_s
+        pause = 0.0002
+        while not engine.promotion_done(lease) and time.monotonic() < deadline:
+            time.sleep(pause)
+            pause = min(2 * pause, 0.002)
+        hit = engine.probe(state.keys, skip_tokens=skip, lease=lease)
+        return hit, time.monotonic() - started
 
     def _refuse_tp(self) -> bool:
         """An engine that sees only this rank's cache never claims a hit under TP (other ranks may miss)."""
@@ -99,8 +122,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvDepotMetadata:
         meta = KvDepotMetadata(finished=self._finished, lease_session=self._provider.session(),
-                               lease_token=self._provider.lease_token(),
-                               new_request_ids=[d.request_id for d in scheduler_output.new_requests])
+                               lease_token=self._provider.lease_token())
         self._finished = []
         engine = self._provider.current()
         if engine is None:
@@ -122,9 +144,6 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
             state.tokens.extend(data.new_tokens)
             state.block_ids.extend(data.new_block_ids)
             self._plan(engine, data.request_id, state, data.computed_position + data.num_scheduled_tokens, meta)
-        for rid, state in self._requests.items():  # parked for an async load: not in the output
-            if state.load is not None and state.load_async and state.block_ids:
-                self._plan(engine, rid, state, 0, meta)
         return meta
 
     def _plan(self, engine: Engine, rid: int, state: _SchedRequest, computed: int, meta: KvDepotMetadata) -> None:
@@ -136,8 +155,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         )
         # NOTE: a lookup here never promises 0 blocks, so a load in the delta is the one it promised.
         if planned is not None:
-            delta = planned.delta
-            meta.requests.append(RequestMeta(**vars(delta), load_async=state.load_async and delta.load_num_blocks > 0))
+            meta.requests.append(RequestMeta(**vars(planned.delta)))
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """True while the request's saves may still be copying: keep its blocks until get_finished."""
