@@ -18,14 +18,12 @@ One ``step()`` is one ``_executor_loop`` iteration (eager, reference §5.1):
 5. ``get_finished(new_saving_ids, new_loading_ids)``: unpins saved blocks, unparks loaded requests.
 
 An exception raised in the forward (a layer hook, the forward-pass callable, ``wait_for_save``) is
-caught, as 1.2's executor does (``_forward_step`` → ``_handle_errors``; reference §7.3, and
-docs/tensorrt-llm.md for what was read of 1.2's sources): **every** active request, parked loads
-included, ends with an error response (``Result.error``) and is freed the way 1.2 frees it —
-``releaseBlocks`` stores each one's full blocks of ``tokens[:-1]`` for device reuse whatever they
-hold (nothing checks what was computed), and ``request_finished`` is not called for it. Then, with
-the overlap scheduler (1.2's default), the loop stops (``assert sample_state is not None``); without
-it the loop goes on, and a later prompt with the same prefix reuses those blocks. An exception from
-any other connector call propagates (1.2's loop stops, nothing is freed or stored).
+caught as 1.2's ``_forward_step`` → ``_handle_errors`` does (reference §7.3; docs/tensorrt-llm.md):
+**every** active request, parked ones too, ends with an error response (``Result.error``) and is
+freed as ``releaseBlocks`` frees it — its full blocks of ``tokens[:-1]`` stored for device reuse
+whatever they hold, ``request_finished`` not called. With the overlap scheduler (1.2's default) the
+loop then stops; without it the loop goes on and a later prompt with that prefix reuses those
+blocks. An exception from any other connector call propagates (the loop stops, nothing is stored).
 """
 
 from __future__ import annotations
