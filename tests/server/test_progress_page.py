@@ -22,6 +22,7 @@ from kvdepot.server.layer_follow import FencedFailure, FollowStats, RemoteProgre
 from kvdepot.server.layer_progress import LayerIssuer, LayerProgress, start_early
 from kvdepot.server.progress_page import (
     PAGE_BYTES,
+    PREFIX,
     SLOTS,
     PageError,
     ProgressPage,
@@ -92,23 +93,34 @@ def test_a_closed_page_reads_nothing_and_its_mapping_goes():
     assert not _mapped(path)
 
 
-def test_the_server_maps_only_a_regular_file_of_its_user_of_the_page_size(tmp_path):
-    target = tmp_path / "target"
+def test_the_server_maps_only_a_fresh_page_file_of_its_user(tmp_path):
+    name = PREFIX + "test-"
+    target = tmp_path / (name + "target")
     target.write_bytes(b"\0" * PAGE_BYTES)
-    link = tmp_path / "link"
+    ProgressPage.open(str(target)).close()  # the one kind of file it maps
+    link = tmp_path / (name + "link")
     link.symlink_to(target)
     with pytest.raises(PageError, match="cannot open"):
         ProgressPage.open(str(link))  # never through a symlink
-    short = tmp_path / "short"
+    short = tmp_path / (name + "short")
     short.write_bytes(b"\0" * 8)
     with pytest.raises(PageError, match="4096 bytes"):
         ProgressPage.open(str(short))
-    fifo = tmp_path / "fifo"
+    fifo = tmp_path / (name + "fifo")
     os.mkfifo(fifo)
     with pytest.raises(PageError, match="regular file"):
         ProgressPage.open(str(fifo))
     with pytest.raises(PageError, match="cannot open"):
-        ProgressPage.open(str(tmp_path / "missing"))
+        ProgressPage.open(str(tmp_path / (name + "missing")))
+    used = tmp_path / (name + "used")  # e.g. some other 4 KiB file of the server's user
+    used.write_bytes(b"x" * PAGE_BYTES)
+    with pytest.raises(PageError, match="not a fresh"):
+        ProgressPage.open(str(used))
+    assert used.read_bytes() == b"x" * PAGE_BYTES  # untouched
+    other = tmp_path / "settings.bin"
+    other.write_bytes(b"\0" * PAGE_BYTES)
+    with pytest.raises(PageError, match="not named"):
+        ProgressPage.open(str(other))
 
 
 def test_a_page_is_served_for_cuda_pools_with_layer_events_on_ipc_servers_only(caplog):

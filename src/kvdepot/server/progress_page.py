@@ -7,8 +7,9 @@ with. Here the server writes each load's progress into a page the client maps, a
 wait reads it; LAYERS stays as the fallback for everything the page cannot tell.
 
     ProgressPage.create() -> page     client: a fresh 0600 file (``/dev/shm``), mapped read-only
-    ProgressPage.open(path) -> page   server: the file checked (``O_NOFOLLOW``, a regular file of
-                                      its own user, ``PAGE_BYTES`` long) and mapped read-write
+    ProgressPage.open(path) -> page   server: the file checked (named ``PREFIX``*, ``O_NOFOLLOW``,
+                                      a regular file of its own user, ``PAGE_BYTES`` of zeros) and
+                                      mapped read-write
     serve_page(desc, allow_shm)       server: REGISTER's page mapped where it may be, else None
     page.write(load_id, recorded, failure, fenced)     server, after the events are recorded
     page.read(load_id, layers) -> Seen | None          client, before it waits on an event
@@ -72,6 +73,7 @@ _RECORDED_MASK = (1 << 11) - 1
 FAILURES = {1: "a layer's copies could not be enqueued", 2: "the client's deadline passed before a layer was enqueued",
             3: "the server could not signal a layer"}
 PAGE_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
+PREFIX = "kvdepot-progress-"  # a page's file name starts so; the server maps no other
 
 
 class PageError(KVDepotError):
@@ -118,7 +120,7 @@ class ProgressPage:
     @classmethod
     def create(cls) -> ProgressPage:
         """A zeroed page in a new file (the client's); the caller unlinks it after REGISTER."""
-        path = os.path.join(_directory(), f"kvdepot-progress-{os.getpid()}-{secrets.token_hex(8)}")
+        path = os.path.join(_directory(), f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -135,7 +137,11 @@ class ProgressPage:
 
     @classmethod
     def open(cls, path: str) -> ProgressPage:
-        """The client's page, mapped for writing once checked through the descriptor it maps."""
+        """The client's page, mapped for writing once checked through the descriptor it maps: a
+        fresh page only (its name, size and zeros), so a REGISTER cannot make the server write
+        into some other file of its user."""
+        if not os.path.basename(path).startswith(PREFIX):
+            raise PageError(f"progress page {path[:256]!r} is not named {PREFIX}*")
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
@@ -150,7 +156,11 @@ class ProgressPage:
             raise PageError(f"cannot map progress page {path[:256]!r}: {exc}") from None
         finally:
             os.close(fd)
-        return cls(path, memory)
+        page = cls(path, memory)
+        if page._words is not None and page._words.any():
+            page.close()
+            raise PageError(f"progress page {path[:256]!r} is not a fresh (zeroed) page")
+        return page
 
     @property
     def closed(self) -> bool:
