@@ -2,10 +2,13 @@
 stored and loaded by the server — whole, and layer by layer with a layer event each — bit-exact
 across processes, ordered by interprocess events. A load by layer is answered early (after layer
 0 of 8; layers 5.. are enqueued after the reply, ``server/layer_progress.py``), and two of them
-back to back (the second queued behind the first on the shard's issuer) are bit-exact too."""
+back to back (the second queued behind the first on the shard's issuer) are bit-exact too; the
+forward learns of each layer from the progress page (no LAYERS call), or by LAYERS with
+``layer_progress: rpc``."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -20,6 +23,7 @@ import torch
 from cuda.bindings import runtime
 from kvdepot.server.client import DepotClient
 from kvdepot.server.ipc import _wrap_device_memory
+from kvdepot.server.progress_page import PAGE_SUPPORTED
 from kvdepot.server.remote import RemoteEngine
 
 url, role, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -55,7 +59,7 @@ with torch.cuda.stream(stream):
     torch.cuda._sleep(200_000_000)                    # the load must wait for earlier work ...
     pool[dst] = 1.0                                   # ... such as this write, or it would be lost
     seen, seen2 = [], []
-    if role in ("layered", "layered2"):               # copied layer by layer, a forward's waits per layer
+    if role in ("layered", "layered2", "layered-rpc"):  # copied layer by layer, a forward's waits per layer
         handle = remote.retrieve_async(keys, dst, lease=1, stream=stream, by_layer=True)
         end = handle.result()
         assert handle.layered is not None and handle.layered.num_layers == SHAPE[1], handle.layered
@@ -73,6 +77,11 @@ with torch.cuda.stream(stream):
                 second.layered.wait_layer(layer, stream)
                 seen2.append(pool[dst2, layer].clone())
         assert handle.layered.fully_waited
+        # Followed through the progress page (x86-64): no LAYERS call; with layer_progress rpc, by LAYERS.
+        if role == "layered-rpc" or not PAGE_SUPPORTED:
+            assert remote._page is None and remote.layer_stats.asks >= 1, remote.layer_stats
+        else:
+            assert remote._page is not None and remote.layer_stats.asks == 0, remote.layer_stats
     else:
         end = remote.retrieve(keys, dst, lease=1, stream=stream)
     loaded = pool[dst].clone()                        # on the stream: ordered after the load
@@ -94,7 +103,9 @@ print("ok", role, flush=True)
 
 
 def _owner(url: str, role: str, seed: int) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", OWNER, url, role, str(seed)], capture_output=True, text=True, timeout=120)
+    env = {**os.environ, **({"KVDEPOT_LAYER_PROGRESS": "rpc"} if role == "layered-rpc" else {})}
+    return subprocess.run([sys.executable, "-c", OWNER, url, role, str(seed)], capture_output=True, text=True,
+                          timeout=120, env=env)
 
 
 def test_raw_cudamalloc_pool_by_cuda_ipc(workdir):
@@ -109,5 +120,7 @@ def test_raw_cudamalloc_pool_by_cuda_ipc(workdir):
         assert layered.returncode == 0 and "ok layered" in layered.stdout, layered.stderr
         twice = _owner(url, "layered2", 3)  # two loads by layer in flight at once on one pool
         assert twice.returncode == 0 and "ok layered2" in twice.stdout, twice.stderr
+        rpc = _owner(url, "layered-rpc", 3)  # followed by LAYERS round trips, not the progress page
+        assert rpc.returncode == 0 and "ok layered-rpc" in rpc.stdout, rpc.stderr
     finally:
         assert stop_server(proc) == 0, proc.log.read_text()  # type: ignore[attr-defined]

@@ -17,13 +17,12 @@ from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
 from kvdepot.server.calls import ServerUnavailable
 from kvdepot.server.ipc import ServerLayeredLoad
+from kvdepot.server.layer_follow import FencedFailure, RemoteProgress
 from kvdepot.server.layer_progress import (
     MAX_LOADS,
-    FencedFailure,
     LayerIssuer,
     LayerProgress,
     LoadBook,
-    RemoteProgress,
     start_early,
 )
 from kvdepot.server.service import DepotService

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp tiers pieces anatomy layers bookkeeping movers
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -33,6 +33,9 @@ for step in $steps; do
     ttft4k) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --lengths 4096 2>&1 | tee "$OUT/ttft4k.txt" ;;
     ttftmp) KVD_BENCH_SERVER_LOG=$OUT/server.log KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes mp --lengths ${TTFT_LENGTHS:-4096,16384,32768} 2>&1 | tee "$OUT/ttftmp.txt"
             tail -20 "$OUT/server.log" ;;
+    ttftrpc) KVDEPOT_LAYER_PROGRESS=rpc KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes mp \
+               --lengths ${TTFT_LENGTHS:-4096,16384,32768} 2>&1 | tee "$OUT/ttftrpc.txt" ;;  # MP hooks by LAYERS (A/B with ttftmp)
+    hooks) python3 -m kvdepot.cli bench hooks --rounds 5 2>&1 | tee "$OUT/hooks.txt" ;;  # this host's CPUs: LAYERS vs page
     mp) { python3 -m kvdepot.cli bench mp --lookups 5000
           python3 -m kvdepot.cli bench mp --blocks 64 --lookups 500
         } 2>&1 | tee "$OUT/mp.txt" ;;

@@ -25,7 +25,6 @@ at most: its copies run off the forward stream).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import os
 import random
@@ -38,6 +37,7 @@ from unittest import mock
 import torch
 
 from kvdepot.bench.common import device_name, memcpy_ceiling
+from kvdepot.bench.connector_clock import ConnectorClock
 from kvdepot.bench.report import Report
 from kvdepot.bench.ttft_first import add_first_arguments, first_hit_rows
 
@@ -91,9 +91,8 @@ def _engine(args: argparse.Namespace, max_tokens: int, connected: bool, server_u
 
 
 def _ready(server_url: str | None) -> None:
-    from kvdepot.bench.server_proc import arena_allocated
-
     """Wait until the connector's engine is usable: the arena pinned, or the server registration made."""
+    from kvdepot.bench.server_proc import arena_allocated
     from kvdepot.integrations.tensorrt_llm.providers import current_engine, current_remote
 
     if server_url is None:
@@ -154,9 +153,10 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
         a = _prompt(n, 100 + i, vocab)
         miss = eng.generate([a], 1)[0]
         eng.generate([_prompt(pool - 1, 200 + i, vocab)], 1)  # evicts A from the engine's pool
-        layered = _layered_loads(server_url)
-        hit = eng.generate([a], 1)[0]
-        layered = _layered_loads(server_url) - layered
+        layered, asks = _layered_loads(server_url), _layer_asks()
+        with ConnectorClock({"worker": ("wait_for_layer_load",)}) as hooks:  # the forward's host time in its hooks
+            hit = eng.generate([a], 1)[0]
+        layered, asks = _layered_loads(server_url) - layered, _layer_asks() - asks
         device = eng.generate([a], 1)[0]
         eng.generate([_prompt(pool - 1, 250 + i, vocab)], 1)
         partial = eng.generate([a + _prompt(args.suffix, 400 + i, vocab)], 1)[0]
@@ -178,6 +178,8 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
             "hit/bound": hit.ttft_s / bound,
             "speed-up": miss.ttft_s / hit.ttft_s,
             "by layer": layered > 0,  # the hit was loaded by layer (the engine counted it)
+            "hooks ms": hooks.seconds * 1e3,  # in wait_for_layer_load: in-process its copies' issue, MP waits
+            "LAYERS calls": asks,  # MP: round trips to learn that layers were recorded (0 with the progress page)
             "hit==device bitwise": bool(torch.equal(hit.logits[0], device.logits[0])),
             "tokens==recompute": hit.output_ids == miss.output_ids,
             f"+{args.suffix} partial hit ms": partial.ttft_s * 1e3,
@@ -196,45 +198,6 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
     return rows
 
 
-class _ConnectorClock:
-    """Host time spent inside the in-process connector's calls (scheduler and worker), per call
-    site wrapped on the classes while the 0%-reuse rows run. The copies run off the forward stream,
-    so a miss can cost a step at most this host time: a bound that two engines' decode speeds,
-    which moved by up to 20% between paired runs on the H200 (run Q), cannot resolve."""
-
-    HOOKS = {"scheduler": ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-                           "request_finished"),
-             "worker": ("start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save", "get_finished")}
-
-    def __init__(self) -> None:
-        self.seconds, self._depth, self._patches = 0.0, 0, contextlib.ExitStack()
-
-    def __enter__(self) -> _ConnectorClock:
-        from kvdepot.integrations.tensorrt_llm.scheduler import KvDepotScheduler
-        from kvdepot.integrations.tensorrt_llm.worker import KvDepotWorker
-
-        for cls, names in ((KvDepotScheduler, self.HOOKS["scheduler"]), (KvDepotWorker, self.HOOKS["worker"])):
-            for name in names:
-                self._patches.enter_context(mock.patch.object(cls, name, self._timed(cls.__dict__[name])))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._patches.close()
-
-    def _timed(self, fn):
-        def timed(*args, **kwargs):
-            self._depth += 1
-            started = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._depth -= 1
-                if self._depth == 0:  # a hook called from another hook is counted once
-                    self.seconds += time.perf_counter() - started
-
-        return timed
-
-
 def _layered_loads(server_url: str | None) -> int:
     """Loads issued by layer so far: the in-process engine's count, or the server shards'."""
     from kvdepot.integrations.tensorrt_llm.providers import current_engine, current_remote
@@ -243,6 +206,14 @@ def _layered_loads(server_url: str | None) -> int:
         return current_engine().stats().layered_loads
     stats = current_remote().stats()
     return int(sum(shard.figures.get("layered_loads", 0) for shard in stats.shards)) if stats is not None else 0
+
+
+def _layer_asks() -> int:
+    """LAYERS calls the MP connector's engine has sent so far (0 in-process)."""
+    from kvdepot.integrations.tensorrt_llm.providers import current_remote
+
+    remote = current_remote()
+    return remote.layer_stats.asks if remote is not None else 0
 
 
 def _misses(args: argparse.Namespace) -> list[dict]:
@@ -262,7 +233,7 @@ def _misses(args: argparse.Namespace) -> list[dict]:
         eng.generate([_prompt(min(512, args.miss_length), 7, vocab)], 2)  # warm-up
     timings: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
     wall = 0.0  # the connected engine's timed runs, first token to last
-    with _ConnectorClock() as clock:
+    with ConnectorClock() as clock:
         for i in range(args.miss_prompts):
             prompt = _prompt(args.miss_length, 300 + i, vocab)
             for connected in ((False, True) if i % 2 == 0 else (True, False)):

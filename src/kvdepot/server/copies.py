@@ -3,6 +3,7 @@
     CopyHandle(future, finish=, fallback=)   done() / wait() / result() / chunks; .layered
     wire_lease(lease, own_session) -> (session, request id, token)
     on_stream(stream, device)                the caller's CUDA stream for copies on ``device``
+    gather_rows(views, ids, stream) / scatter_rows(views, ids, payload, stream)   a bytes pool's blocks
 
 A handle never raises: a refused or failed copy is logged and reads as its fallback (nothing
 stored, nothing loaded beyond ``skip_blocks``), which the engine's callers treat as a miss.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 from kvdepot.engine_api import Lease
 from kvdepot.errors import KVDepotError
 from kvdepot.server.calls import ServerError
+from kvdepot.server.ipc import frame_tensor
 from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
@@ -85,3 +87,27 @@ def on_stream(stream: Any, device: torch.device) -> Any:
     if device.type != "cuda":
         return contextlib.nullcontext()
     return torch.cuda.stream(stream or torch.cuda.current_stream(device))
+
+
+def gather_rows(views: Sequence[torch.Tensor], ids: list[int], stream: Any) -> memoryview:
+    """Blocks ``ids`` of per-layer block ``views`` as one buffer: per block, every view's row in order."""
+    device = views[0].device
+    index = torch.as_tensor(ids, dtype=torch.long, device=device)
+    with on_stream(stream, device):
+        parts = [view.index_select(0, index) for view in views]
+        rows = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).cpu()
+    return memoryview(rows.reshape(-1).numpy())
+
+
+def scatter_rows(views: Sequence[torch.Tensor], ids: list[int], payload: Any, stream: Any) -> None:
+    """The inverse of ``gather_rows``: ``payload``'s rows into blocks ``ids`` of ``views``."""
+    device = views[0].device
+    rows = frame_tensor(payload).view(len(ids), -1)
+    index = torch.as_tensor(ids, dtype=torch.long, device=device)
+    with on_stream(stream, device):
+        rows = rows.to(device)
+        offset = 0
+        for view in views:
+            width = view.shape[1]
+            view.index_copy_(0, index, rows[:, offset : offset + width])
+            offset += width

@@ -14,9 +14,9 @@ a load and waited on by the client's forward stream once the reply is in. A cros
 exports one event per layer: for a RETRIEVE by layer the server records layer ``l``'s event once
 layer ``l`` of every block is copied, and the client's forward waits on each right before that
 layer's attention (``ServerLayeredLoad``) — but never before the server has said that layer is
-recorded for this load: all of them before the reply, or, for a load answered early, as LAYERS
-replies tell (``layer_progress``). cuda-python and cupy
-are imported lazily, so CPU-only installs never need them.
+recorded for this load: all of them before the reply, or, for a load answered early, as its
+progress page or LAYERS replies tell (``layer_follow``; the server maps the page with the pool and
+unmaps it with it). cuda-python and cupy are imported lazily, so CPU-only installs never need them.
 
 CPU: a pool inside a shared file (``torch.from_file(path, shared=True)``, e.g. /dev/shm) is
 named by path + offset; the server opens it once (no symlink), checks that descriptor (a regular
@@ -38,7 +38,8 @@ from typing import Any
 import torch
 
 from kvdepot.errors import KVDepotError
-from kvdepot.server.layer_progress import FencedFailure
+from kvdepot.server.layer_follow import FencedFailure
+from kvdepot.server.progress_page import ProgressPage, serve_page
 from kvdepot.server.protocol import BytesPool, CudaIpcPool, PoolDesc, ShmPool
 from kvdepot.transfer.layered import LayerWaits
 
@@ -248,6 +249,7 @@ class MappedPool:
         self.kind, self.tensor, self._closer, self._events = kind, tensor, closer, events
         self.file = file  # a shared file's (path, st_dev, st_ino), as mapped
         self.layer_events = list(layer_events)  # the client's, one per layer (empty: no loads by layer)
+        self.progress: ProgressPage | None = None  # where loads by layer publish their progress
         self.stream = torch.cuda.Stream(tensor.device) if tensor is not None and tensor.is_cuda else None
 
     def wait_client(self, synced: bool) -> None:
@@ -294,6 +296,8 @@ class MappedPool:
         if self.stream is not None:
             self.stream.synchronize()
         self.tensor, self.stream = None, None
+        if self.progress is not None:
+            self.progress.close()
         closer, self._closer = self._closer, None
         if closer is not None:
             closer()
@@ -310,7 +314,9 @@ def open_pool(desc: PoolDesc, shape: tuple[int, ...], dtype: torch.dtype, *, all
             raise IpcError("shared-file pools are accepted on ipc:// servers only (use bytes over TCP)")
         flat, file = _map_shm(desc, nbytes)
         return MappedPool("shm", flat[desc.offset : desc.offset + nbytes].view(dtype).view(shape), file=file)
-    return _map_cuda(desc, nbytes, shape, dtype)
+    pool = _map_cuda(desc, nbytes, shape, dtype)
+    pool.progress = serve_page(desc, allow_shm)
+    return pool
 
 
 def _map_shm(desc: ShmPool, nbytes: int) -> tuple[torch.Tensor, tuple[str, int, int]]:

@@ -1,4 +1,4 @@
-"""A load by layer answered before all its layers are enqueued: both sides of LAYERS.
+"""A load by layer answered before all its layers are enqueued: the server side.
 
 Why: enqueueing a layer's copies costs the server ~0.5 ms of host time at 1024 blocks (an 8B
 model at 32K tokens: ~16 ms for 32 layers). Recorded in full before the reply, that time sat
@@ -17,16 +17,14 @@ Server side
     LayerIssuer                     one shard's thread: jobs in order, so two loads' records of
                                     one event never interleave (later loads wait in its queue)
     record_rest(...)                the job: per layer, deadline check, wait, record, advance
-Client side
-    RemoteProgress(ask, ready, layers)  ``through(l)`` blocks until layer ``l`` is recorded (one
-                                    LAYERS call ahead in flight), raises ``TransferFailed`` if the
-                                    load failed, the server is gone or refuses (``FencedFailure``
-                                    where the server fenced the copies that did go: the caller
-                                    waits on the last layer's event before it gives the blocks up).
+Client side: ``layer_follow`` (``RemoteProgress``: the forward's wait, reading the server's
+progress page or asking LAYERS).
 
 Failure mid-way (a layer's copies not enqueued, the deadline passed, the server dying) therefore
 reaches the client as ``TransferFailed`` from the wait of the first layer not recorded — before
 its attention could read it — exactly as an in-process layered load reports a failed enqueue.
+The server publishes to the page under the progress's lock, after the events it counts are
+recorded and before LAYERS could report them (``progress_page``: why the client's read is safe).
 """
 
 from __future__ import annotations
@@ -38,12 +36,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import Any
 
 from kvdepot.errors import KVDepotError
+from kvdepot.server.progress_page import ProgressPage
 from kvdepot.transfer.layered import LayerWaits, TransferFailed
 
 logger = logging.getLogger("kvdepot")
@@ -56,20 +53,17 @@ class DeadlinePassed(KVDepotError):
     """The client's deadline passed before a layer could be enqueued."""
 
 
-class FencedFailure(TransferFailed):
-    """The load failed, and the server recorded its last layer's event after every copy of it
-    that was enqueued: a stream that waits on that event is past all of them."""
-
-
 # ---- server side ---------------------------------------------------------------------------------
 class LayerProgress:
-    """Layers ``0..recorded-1`` of one load have their events recorded; thread-safe."""
+    """Layers ``0..recorded-1`` of one load have their events recorded; thread-safe. With a
+    ``page`` (the registration's ``progress_page``) every change is also written there."""
 
-    def __init__(self, load_id: int, layers: int, deadline_ns: int = 0) -> None:
+    def __init__(self, load_id: int, layers: int, deadline_ns: int = 0, page: ProgressPage | None = None) -> None:
         self.load_id, self.layers, self.deadline_ns = load_id, layers, deadline_ns
         self.recorded = 0
         self.failed = ""
         self.fenced = False  # failed, and the rest of the events recorded after every enqueued copy
+        self._page = page
         self._cond = threading.Condition()
 
     @property
@@ -77,13 +71,19 @@ class LayerProgress:
         return self.recorded >= self.layers or bool(self.failed)
 
     def advance(self, recorded: int) -> None:
-        with self._cond:
+        """Layers ``0..recorded-1`` are recorded (call once ``cudaEventRecord`` has returned)."""
+        with self._cond:  # NOTE: the page is written under the lock: see progress_page, why a read is safe
             self.recorded = max(self.recorded, recorded)
+            if self._page is not None:
+                self._page.write(self.load_id, self.recorded)
             self._cond.notify_all()
 
-    def fail(self, reason: str, fenced: bool = False) -> None:
+    def fail(self, reason: str, fenced: bool = False, failure: int = 3) -> None:
+        """No layer from ``recorded`` on will be; ``failure``: its ``progress_page.FAILURES`` kind."""
         with self._cond:
             self.failed, self.fenced = reason or "failed", fenced
+            if self._page is not None:
+                self._page.write(self.load_id, self.recorded, failure, fenced)
             self._cond.notify_all()
 
     def past(self, layer: int) -> bool:
@@ -193,7 +193,8 @@ def record_rest(load: LayerWaits, progress: LayerProgress, record: Callable[[int
     except Exception as exc:
         load.abandon(exc)
         fenced = _fence(load, progress, record, stream)
-        progress.fail(f"{type(exc).__name__}: {exc}", fenced)
+        failure = 1 if isinstance(exc, TransferFailed) else 2 if isinstance(exc, DeadlinePassed) else 3
+        progress.fail(f"{type(exc).__name__}: {exc}", fenced, failure)
         if not isinstance(exc, (TransferFailed, DeadlinePassed)):
             logger.error("kvdepot server: layer %d of a load could not be signalled: %s", progress.recorded, exc)
 
@@ -209,42 +210,6 @@ def _fence(load: LayerWaits, progress: LayerProgress, record: Callable[[int], No
         logger.error("kvdepot server: a failed load's fence could not be recorded: %s", exc)
         return False
     return True
-
-
-# ---- client side ---------------------------------------------------------------------------------
-Ask = Callable[[int], Future]  # LAYERS(load_id, through) sent; its future gives (LayersReply, payloads)
-
-
-class RemoteProgress:
-    """The client's knowledge of an early-answered load: ``through(l)`` returns once the server
-    has recorded layer ``l``'s event for this load, keeping one LAYERS call ahead in flight."""
-
-    def __init__(self, ask: Ask, ready: int, layers: int, timeout_s: float) -> None:
-        self.ready, self.layers, self.timeout_s = ready, layers, timeout_s
-        self._ask = ask
-        self._failed = ""
-        self._fenced = False
-        self._next: Future | None = ask(ready) if ready < layers else None
-        self._lock = threading.Lock()
-
-    def through(self, layer: int) -> None:
-        """Return once layer ``layer`` is recorded; ``TransferFailed`` if it never will be."""
-        with self._lock:
-            while layer >= self.ready:
-                if self._failed:
-                    kind = FencedFailure if self._fenced else TransferFailed
-                    raise kind(f"kvdepot: the server's layered load failed after {self.ready} layers: {self._failed}")
-                future, self._next = self._next or self._ask(layer), None
-                try:
-                    reply, _ = future.result(self.timeout_s + 1.0)
-                except (KVDepotError, FutureTimeout) as exc:
-                    self._failed = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                    continue
-                if reply.failed:
-                    self._failed, self._fenced = reply.failed, reply.fenced
-                self.ready = max(self.ready, min(reply.recorded, self.layers))
-                if not self._failed and self.ready < self.layers:
-                    self._next = self._ask(self.ready)  # in flight while the forward runs on
 
 
 def start_early(load: LayerWaits, progress: LayerProgress, issuer: LayerIssuer, record: Callable[[int], None],

@@ -128,6 +128,7 @@ class CudaIpcPool(msgspec.Struct, frozen=True, tag="cuda"):
     to_server_event: bytes = b""  # cudaIpcEventHandle_t the client records before each copy
     to_client_event: bytes = b""  # ... the server records after each load
     layer_events: tuple[bytes, ...] = ()  # ... one per layer, recorded after that layer of a load by layer
+    progress_page: str = ""  # a file the server maps to publish loads' recorded layers (``progress_page``)
 
 
 class ShmPool(msgspec.Struct, frozen=True, tag="shm"):
@@ -170,6 +171,7 @@ class RegisterReply(msgspec.Struct, frozen=True):
     namespace_digest: bytes  # seed of the key chain; the client checks it computed the same
     group: str
     wants_tokens: bool = False  # the server publishes KV events: send a lookup's tokens beside its keys
+    progress_page: bool = False  # the server mapped the REGISTER's progress page and writes it
 
 
 # ---- hot path -----------------------------------------------------------------------------------

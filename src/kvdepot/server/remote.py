@@ -38,7 +38,9 @@ caller's stream, so the server copies only after the forward pass's work on thos
 load's reply arrives once the copy is *enqueued*, and the caller's stream then waits on
 ``to_client`` — the forward pass reads after the load without the host waiting for the copy.
 A load by layer is answered once its first layer is enqueued (``layer_progress``): the forward's
-wait for layer ``l`` first learns (LAYERS) that the server recorded layer ``l``'s event for it.
+wait for layer ``l`` first learns that the server recorded layer ``l``'s event for it — from the
+registration's progress page (``progress_page``: created per REGISTER, unlinked once answered),
+else by LAYERS.
 A store's reply arrives once the copy has *completed*, and only then is the store done, so
 blocks handed back to the engine are never read by the server afterwards. Mapped-pool copies
 carry a deadline at half the call timeout: the server refuses to start a copy the client may
@@ -53,6 +55,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import torch
 
 from kvdepot.config import DepotConfig, load_config
@@ -63,10 +66,11 @@ from kvdepot.layout import PoolLayout
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
 from kvdepot.server.client import DepotClient, ServerError, ServerUnavailable
-from kvdepot.server.copies import AnyLease, CopyHandle, on_stream, wire_lease
-from kvdepot.server.ipc import ExportedPool, export_pool, frame_tensor
-from kvdepot.server.layer_progress import RemoteProgress
+from kvdepot.server.copies import AnyLease, CopyHandle, gather_rows, scatter_rows, wire_lease
+from kvdepot.server.ipc import ExportedPool, export_pool
+from kvdepot.server.layer_follow import WATCH_GRACE_NS, FollowStats, RemoteProgress, Watch
 from kvdepot.server.namespace import mp_namespace
+from kvdepot.server.progress_page import PAGE_SUPPORTED, PageError, ProgressPage
 from kvdepot.server.recent_prompts import RecentPrompts
 from kvdepot.transfer.layered import LayerWaits
 
@@ -111,6 +115,8 @@ class RemoteEngine:
         self._hasher: ChunkHasher | None = None
         self.granted: p.RegisterReply | None = None
         self.lease_token = b""  # the server's token for this session's leases (from the last LOOKUP)
+        self._page: ProgressPage | None = None  # this registration's progress page, if the server writes it
+        self.layer_stats = FollowStats()  # what following loads answered early cost (LAYERS calls)
         # KV events (server with kv_events_endpoint): the tokens of recent prompts, by last key, so
         # a lookup by keys can carry them to the server (docs/events.md).
         self._recent = RecentPrompts()
@@ -180,18 +186,38 @@ class RemoteEngine:
 
     def _send_register(self) -> p.RegisterReply:
         base = self._base
+        page = self._new_page()
+        desc = self.exported.desc if page is None else msgspec.structs.replace(self.exported.desc, progress_page=page.path)
         msg = p.Register(
             model_id=self.model_id, tp_rank=self.tp_rank, tp_size=self.tp_size, tokens_per_block=base.tokens_per_block,
             num_blocks=base.num_blocks, num_layers=base.num_layers, kv_factor=base.kv_factor,
             block_elems=base.block_elems, dtype=base.dtype_name, bytes_per_block=base.bytes_per_block,
-            pool=self.exported.desc, cache_salt=self._wire_salt,
+            pool=desc, cache_salt=self._wire_salt,
             one_copy=one_copy(self.config.tp_kv_copies, base.kv_factor, self.tp_size),
         )
-        # NOTE: once per start-up, and slow on a cold server (CUDA init, opening the IPC handle,
-        # measured > 2 s on the H200): give it more than an ordinary call's timeout.
-        reply, _ = self.client.call(msg, handshake=True, timeout=max(self.client.timeout_s, REGISTER_TIMEOUT_S))
+        try:
+            # NOTE: once per start-up, and slow on a cold server (CUDA init, opening the IPC handle,
+            # measured > 2 s on the H200): give it more than an ordinary call's timeout.
+            reply, _ = self.client.call(msg, handshake=True, timeout=max(self.client.timeout_s, REGISTER_TIMEOUT_S))
+        finally:
+            if page is not None:
+                page.unlink()  # mapped by the server by now, or never: the mappings outlive the name
         assert isinstance(reply, p.RegisterReply)
+        if page is not None and not reply.progress_page:
+            page.close()  # a server that does not write it (older, over TCP, another CPU): LAYERS
+        self._page = page if page is not None and reply.progress_page else None  # older loads keep theirs
         return reply
+
+    def _new_page(self) -> ProgressPage | None:
+        """A fresh progress page for this registration, where loads can go by layer and it is safe."""
+        if not (isinstance(self.exported.desc, p.CudaIpcPool) and self.exported.layered and PAGE_SUPPORTED
+                and self.config.layer_progress == "auto"):
+            return None
+        try:
+            return ProgressPage.create()
+        except PageError as exc:
+            logger.warning("kvdepot: %s; loads by layer follow the server by LAYERS", exc)
+            return None
 
     # ---- keys and lookups -----------------------------------------------------------------------
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
@@ -278,7 +304,7 @@ class RemoteEngine:
         ids = list(block_ids[: chunks * self.layout.blocks_per_chunk])
         blob = w.join_keys(keys[:chunks])
         if self.exported.kind == "bytes":
-            payload = self._gather(ids, stream)
+            payload = gather_rows(self._views, ids, stream)
             future = self.client.submit(p.Store(blob, ids), [payload], timeout=self._bulk_timeout(len(payload)))
         else:
             synced = self.exported.before_copy(stream)
@@ -312,7 +338,8 @@ class RemoteEngine:
         session, rid, token = wire_lease(lease, self.client.session_id) if lease is not None else (0, None, b"")
         ids = list(block_ids)
         by_layer = by_layer and self.exported.layered
-        msg = p.Retrieve(w.join_keys(keys), ids, skip_blocks, num_blocks, session, rid, self._deadline(),
+        deadline, page, server = self._deadline(), self._page, self.client.server_id  # what the reply is read with
+        msg = p.Retrieve(w.join_keys(keys), ids, skip_blocks, num_blocks, session, rid, deadline,
                          self.exported.before_copy(stream), by_layer, token, early=by_layer)
         bulk = len(ids) * self._base.bytes_per_block if self.exported.kind == "bytes" else 0
         handle = CopyHandle(self.client.submit(msg, timeout=self._bulk_timeout(bulk)), fallback=fallback)
@@ -321,11 +348,12 @@ class RemoteEngine:
             reply, payloads = result
             if self.exported.kind == "bytes":
                 if reply.loaded_blocks:
-                    self._scatter(ids[skip_blocks : skip_blocks + reply.loaded_blocks], payloads[0], stream)
+                    scatter_rows(self._views, ids[skip_blocks : skip_blocks + reply.loaded_blocks], payloads[0], stream)
             elif reply.by_layer:
                 if not by_layer:  # its events would say nothing about this load
                     raise ValueError("the server answered by layer a load not asked for by layer")
-                handle.layered = self.exported.layered_load(self._progress(reply), reply.layers_ready if reply.load_id else None)
+                follow = self._progress(reply, page, deadline, server)
+                handle.layered = self.exported.layered_load(follow, reply.layers_ready if reply.load_id else None)
             else:
                 self.exported.after_load(stream)
             return reply.end_tokens
@@ -333,39 +361,24 @@ class RemoteEngine:
         handle._finish = finish
         return handle
 
-    def _progress(self, reply: p.RetrieveReply) -> Callable[[int], None] | None:
+    def _progress(self, reply: p.RetrieveReply, page: ProgressPage | None, deadline_ns: int,
+                  server: int) -> Callable[[int], None] | None:
         """For a load answered early (``load_id``): what the forward's wait for layer ``l`` first
-        calls, so it never waits on an event the server has not recorded for this load yet."""
+        calls, so it never waits on an event the server has not recorded for this load yet —
+        read from ``page`` while the server that wrote it serves this client, else by LAYERS."""
         if not reply.load_id:
             return None  # every layer's event was recorded before the reply
-        load_id = reply.load_id
-        follow = RemoteProgress(lambda through: self.client.submit(p.Layers(load_id, through)),
-                                reply.layers_ready, self._base.num_layers, self.client.timeout_s)
+        load_id, client = reply.load_id, self.client
+        watch = None
+        if page is not None:
+            watch = Watch(page, load_id, deadline_ns + WATCH_GRACE_NS,
+                          lambda: client.ready and client.server_id == server)
+        follow = RemoteProgress(lambda through: client.submit(p.Layers(load_id, through)), reply.layers_ready,
+                                self._base.num_layers, client.timeout_s, watch, self.layer_stats)
         return follow.through
 
     def _bulk_timeout(self, nbytes: int) -> float:
         return self.client.timeout_s + nbytes / 1e9  # bytes-mode payloads: allow ~1 GB/s on top
-
-    def _gather(self, ids: list[int], stream: Any) -> memoryview:
-        """Blocks ``ids`` as one buffer: per block, every view's row in order."""
-        device = self._views[0].device
-        index = torch.as_tensor(ids, dtype=torch.long, device=device)
-        with on_stream(stream, device):
-            parts = [view.index_select(0, index) for view in self._views]
-            rows = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).cpu()
-        return memoryview(rows.reshape(-1).numpy())
-
-    def _scatter(self, ids: list[int], payload: Any, stream: Any) -> None:
-        device = self._views[0].device
-        rows = frame_tensor(payload).view(len(ids), -1)
-        index = torch.as_tensor(ids, dtype=torch.long, device=device)
-        with on_stream(stream, device):
-            rows = rows.to(device)
-            offset = 0
-            for view in self._views:
-                width = view.shape[1]
-                view.index_copy_(0, index, rows[:, offset : offset + width])
-                offset += width
 
     def stats(self) -> p.StatsReply | None:
         try:
@@ -378,3 +391,5 @@ class RemoteEngine:
         """Stop re-registering this pool; the client (shared) stays open."""
         self.client.remove_hook(self._register)
         self.exported.close()
+        if self._page is not None:
+            self._page.close()

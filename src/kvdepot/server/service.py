@@ -163,7 +163,12 @@ class DepotService:
 
     # ---- registration -----------------------------------------------------------------------
     def register(self, peer: bytes, msg: p.Register, payloads: p.Payloads) -> p.Reply:
-        return self.registry.register(self._session(peer), msg, self.session_timeout_s), []
+        session = self._session(peer)
+        reply = self.registry.register(session, msg, self.session_timeout_s)
+        reg = session.reg
+        if reg is not None and reg.pool.progress is not None:  # the client reads its loads' progress there
+            reply = msgspec.structs.replace(reply, progress_page=True)
+        return reply, []
 
     # ---- lookups ------------------------------------------------------------------------------
     def lookup(self, peer: bytes, msg: p.Lookup, payloads: p.Payloads, *, wait: bool = True) -> p.Reply:
@@ -279,8 +284,8 @@ class DepotService:
     def _answer_early(self, session: Session, reg: Registration, load: LayerWaits, deadline_ns: int) -> tuple[int, int]:
         """Record what can be now, leave the rest to the shard's issuer (``layer_progress``): the
         reply goes before the load's later layers are enqueued. Runs under the shard's lock."""
-        progress = LayerProgress(next(self._load_ids), load.num_layers, deadline_ns)
         pool = reg.pool
+        progress = LayerProgress(next(self._load_ids), load.num_layers, deadline_ns, pool.progress)
         start_early(load, progress, reg.shard.issuer, pool.record_layer, pool.stream, session.end_op,
                     lambda: _device(pool.tensor))  # type: ignore[arg-type]
         self.layer_loads.add(session.sid, progress)
