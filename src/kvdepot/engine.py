@@ -113,8 +113,8 @@ class CacheEngine(LoadPath):
                 self._own_events.close()
             raise
         self._lock = threading.RLock()
-        self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s)
         self._pinner = ArenaPinner(self.host, self._lock)
+        self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s)
         self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead)
         self._views: list[torch.Tensor] = []
         self._tokens = itertools.count(1)  # names the pins of loads and write-behind reads
@@ -306,7 +306,8 @@ class CacheEngine(LoadPath):
 
     # ---- waiting --------------------------------------------------------------------------
     def wait_arena(self, timeout: float | None = None) -> None:
-        """Block until the host arena is fully allocated (benchmarks; nothing else needs to wait)."""
+        """Block until the host arena is pinned as far ahead as it goes: all of it, or its share
+        of a server's budget (benchmarks; nothing else needs to wait)."""
         self._pinner.wait(timeout)
 
     def poll(self) -> None:
@@ -337,8 +338,8 @@ class CacheEngine(LoadPath):
             s.live_leases, s.pinned_chunks = self.host.live_leases, self.host.pinned_chunks
             s.inflight_transfers = len(self._transfers.inflight)
             s.host_chunks, s.host_capacity_chunks = host.chunks, self.host.num_slots
-            # An unpinned (CPU) arena grows on demand: nothing is pending for it.
-            s.host_pending_chunks = self.host.num_slots - self.host.allocated_slots if self.host.pin_memory else 0
+            # Slots still to be pinned ahead (the arena's share); an unpinned (CPU) arena grows on demand.
+            s.host_pending_chunks = self._pinner.pending_slots
             s.promoting = self._promotions.running
             s.refused_batches = self.mover.refused
             s.lower = self.lower.stats().tiers if self.lower is not None else []

@@ -3,7 +3,8 @@
     Group    one model (model id + cache salt): its geometry, TP size and key namespace; a worker
              whose geometry differs is refused. ``lookup`` hits only where *every* rank holds the
              chunk, so a TP engine never loads a prefix that some rank lacks. Every shard's host
-             arena draws on the server's one ``Budget`` (``registry.HostBudget``).
+             arena draws on the server's one ``Budget`` (``storage/budget.py``), a fair
+             share each.
     Shard    one rank of a group: a ``CacheEngine`` whose host tier outlives clients. Workers of
              several engine instances may register the same rank; their pools differ, so each copy
              attaches the caller's pool to the engine first (``register_pool``), serialized by
@@ -42,7 +43,7 @@ from kvdepot.layout import PoolLayout
 from kvdepot.server.layer_progress import LayerIssuer
 from kvdepot.server.namespace import mp_namespace
 from kvdepot.server.protocol import ErrorCode, ProtocolError, Register
-from kvdepot.storage.host import Budget
+from kvdepot.storage.budget import Budget
 from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
@@ -184,8 +185,9 @@ class Group:
         self.ranks: set[int] = set()  # registered so far (a one-copy group has one shard for all)
         namespace = mp_namespace(msg.model_id, layout.dtype_name, layout.geometry, layout.chunk_size, msg.tp_size, msg.cache_salt)
         self.hasher = ChunkHasher(namespace, config.hash_algo)
-        # The ranks share the server's host budget equally; one chunk per rank at least. The disk
-        # budget needs no split: every tier under one disk_path shares it (storage/disk_budget.py).
+        # The shards' capacities split the server's host budget: as the budget's weights, they give
+        # every group an equal share, split equally among its ranks (one chunk per rank at least).
+        # The disk budget needs no split: every tier under one disk_path shares it (storage/disk_budget.py).
         copies = 1 if self.one_copy else msg.tp_size
         per_rank = max(config.host_capacity_gb / copies, (layout.chunk_bytes + 64) / 1e9)
         self.config = dataclasses.replace(
