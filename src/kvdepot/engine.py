@@ -114,7 +114,8 @@ class CacheEngine(LoadPath):
             raise
         self._lock = threading.RLock()
         self._pinner = ArenaPinner(self.host, self._lock)
-        self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s)
+        self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s,
+                                      room=self._pinner.wait_for_room)
         self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead)
         self._views: list[torch.Tensor] = []
         self._tokens = itertools.count(1)  # names the pins of loads and write-behind reads

@@ -1,5 +1,6 @@
 """``kvdepot.storage.pinner.ArenaPinner`` on arenas sharing one ``HostBudget``: pinned ahead up to
-their share, grown beyond it on demand, given back to an arena starving below its own.
+their share, grown beyond it on demand, given back to an arena starving below its own; and
+promotions that wait for the memory a pinner is still adding.
 
 The arenas are unpinned (CPU) memory with ``ahead=True``: the thread then runs exactly as on a
 CUDA host, where the server pins each shard's arena ahead of use (the H200 failure this covers:
@@ -9,13 +10,17 @@ the first model group pinned the whole budget, the second stored nothing).
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
+import torch
 
 from fakes import FakeClock
+from kvdepot.storage import host as host_module
 from kvdepot.storage.budget import HostBudget
 from kvdepot.storage.host import HostTier
 from kvdepot.storage.pinner import ArenaPinner
+from kvdepot.storage.promotions import Promotions
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -59,6 +64,8 @@ class Arena:
         return self.host.allocated_slots
 
     def close(self) -> None:
+        if isinstance(self.host, GatedArena):
+            self.host.gate.release(100)  # a pinner waiting at the gate stops
         self.pinner.close()
         self.host.close()
 
@@ -129,3 +136,85 @@ def test_a_reclaim_never_takes_a_segment_a_lease_pins(arenas):
     assert second.store(2, 4) == 4 and first.slots >= 28
     with first.lock:
         assert first.host.lookup([key(1, i) for i in range(64)]) < 64  # the given-back chunks are gone
+
+
+class GatedArena(HostTier):
+    """An arena whose memory arrives only when the test opens the gate (one segment per permit):
+    the pinner thread's cudaHostAlloc, slowed at will."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Semaphore(1)  # the first segment, pinned at registration
+
+    def allocate_segment(self, max_slots: int | None = None) -> torch.Tensor | None:
+        self.gate.acquire()
+        return super().allocate_segment(max_slots)
+
+
+class FakeLower:
+    """Lower tiers that hold every chunk and read it into the reserved slot on a thread."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(1)
+
+    def note_hits(self, keys: list[bytes]) -> None:
+        pass
+
+    def find(self, keys: list[bytes]) -> int:
+        return len(keys)
+
+    def promote(self, keys: list[bytes], reserve) -> Future[int]:  # noqa: ANN001
+        def run() -> int:
+            for count, k in enumerate(keys):
+                target = reserve(k)
+                if target is None:
+                    return count
+                view, done = target
+                if view is not None:
+                    view[:] = bytes([k[0]]) * SLOT
+                done(True)
+            return len(keys)
+
+        return self.pool.submit(run)
+
+
+def test_a_promotion_waits_for_the_memory_the_pinner_is_still_adding(arenas, monkeypatch):
+    """A fresh engine's first request: many lower-tier chunks to read, an arena still being pinned
+    (H200: 32 chunks of 32 MiB, 2304 of 8192 tokens loaded). The promotion waits for each segment,
+    the probe does not wait at all."""
+    monkeypatch.setattr(host_module, "SEGMENT_BYTES", 4 * SLOT)
+    host = GatedArena(16 * SLOT, SLOT, clock=FakeClock())
+    arena = Arena(16, host=host)
+    arenas.append(arena.start(wait=False))  # first segment only: 4 slots
+    lower = FakeLower()
+    promotions = Promotions(host, lower, arena.lock, lease_timeout_s=30, room=arena.pinner.wait_for_room)
+    keys = [key(7, i) for i in range(12)]
+    assert promotions.find(keys, 0, "lease") == 12  # answers at once, reads in the background
+    assert not promotions.done("lease")
+    for _ in range(2):  # two more segments of 4
+        host.gate.release()
+    promotions.wait_all(timeout=10)
+    assert promotions.promoted("lease") == 12 and host.allocated_slots == 12
+    with arena.lock:
+        assert host.lookup(keys) == 12 and host.stats().dropped == 0
+    promotions.release("lease")
+    lower.pool.shutdown()
+
+
+def test_a_promotion_into_an_arena_full_of_pinned_chunks_stops_at_once(arenas):
+    host = GatedArena(8 * SLOT, SLOT, clock=FakeClock())
+    host.gate = threading.Semaphore(100)
+    arena = Arena(8, host=host)
+    arenas.append(arena.start())
+    lower = FakeLower()
+    promotions = Promotions(host, lower, arena.lock, lease_timeout_s=30, room=arena.pinner.wait_for_room)
+    assert promotions.find([key(1, i) for i in range(8)], 0, "a") == 8
+    promotions.wait_all(timeout=10)
+    assert promotions.promoted("a") == 8  # every slot pinned under "a"
+    promotions.find([key(2, 0)], 0, "b")
+    promotions.wait_all(timeout=10)
+    assert promotions.promoted("b") == 0  # at once, not after the 30 s lease timeout: nothing is coming
+    assert host.stats().dropped == 1
+    for lease in ("a", "b"):
+        promotions.release(lease)
+    lower.pool.shutdown()
