@@ -7,13 +7,16 @@ decides (the worker declares, a per-rank server refuses); a bad value is a one-l
 
 from __future__ import annotations
 
+import functools
 import secrets
 import threading
 
 import msgspec
 import pytest
 import torch
+from mp_helpers import wait_for
 
+from kvdepot import engine as engine_module
 from kvdepot.config import load_config
 from kvdepot.errors import ConfigError
 from kvdepot.layout import PoolLayout
@@ -23,6 +26,7 @@ from kvdepot.server.remote import one_copy
 from kvdepot.server.service import DepotService
 from kvdepot.server.shard import Group
 from kvdepot.storage.budget import HostBudget
+from kvdepot.storage.pinner import ArenaPinner
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -113,6 +117,33 @@ def test_the_shared_copy_stays_pinned_until_the_last_rank_has_loaded(service):
     r0.call(p.Release(9))
     assert service.snapshot().shards[0].figures["live_leases"] == 0
     assert service.registry.groups()[0].shards[0]._loads == {}  # no count outlives its lease
+
+
+def test_a_group_registered_after_one_that_pinned_the_budget_still_stores(monkeypatch, workdir):
+    """``kvdepot bench tp`` on the H200: every shard's arena pinned ahead (``ahead=True`` runs the
+    CUDA pinner on CPU), the one-copy group registered first and pinned the whole budget, and the
+    per-rank group's stores were all dropped. Now each group gets its half, whichever came first."""
+    monkeypatch.setattr(engine_module, "ArenaPinner", functools.partial(ArenaPinner, ahead=True))
+    service = DepotService(load_config(chunk_size=CHUNK, host_capacity_gb=HOST_GB), url=f"ipc://{workdir}/p.sock")
+    try:
+        def pinned() -> bool:
+            return all(s.figures["host_pending_chunks"] == 0 for s in service.snapshot().shards)
+
+        one = [Rank(service, r) for r in range(2)]
+        assert [r.register(True, model="one")[0] for r in one] == [0, 0]
+        assert wait_for(pinned) and service.registry.budget.used > 0.9 * HOST_GB * 1e9  # alone: all of it
+        per_rank = [Rank(service, r) for r in range(2)]
+        assert [r.register(False, model="per-rank")[0] for r in per_rank] == [0, 0]
+        assert wait_for(pinned)
+        data = _blocks(1)
+        assert [r.call(p.Store(KEYS, list(range(BLOCKS))), [data])[1].stored_chunks for r in per_rank] == [4, 4]
+        assert one[0].call(p.Store(KEYS, list(range(BLOCKS))), [data])[1].stored_chunks == 4
+        for rank in (one[0], per_rank[0]):
+            assert rank.call(p.Lookup(3, KEYS))[1].matched_tokens == 4 * CHUNK
+            assert rank.call(p.Release(3))[0] == 0
+        assert service.registry.budget.used <= HOST_GB * 1e9
+    finally:
+        service.close()
 
 
 def test_the_ranks_load_the_one_copy_at_once(monkeypatch):
