@@ -119,11 +119,13 @@ def test_the_shared_copy_stays_pinned_until_the_last_rank_has_loaded(service):
     assert service.registry.groups()[0].shards[0]._loads == {}  # no count outlives its lease
 
 
-def test_a_group_registered_after_one_that_pinned_the_budget_still_stores(monkeypatch, workdir):
-    """``kvdepot bench tp`` on the H200: every shard's arena pinned ahead (``ahead=True`` runs the
-    CUDA pinner on CPU), the one-copy group registered first and pinned the whole budget, and the
-    per-rank group's stores were all dropped. Now each group gets its half, whichever came first."""
-    monkeypatch.setattr(engine_module, "ArenaPinner", functools.partial(ArenaPinner, ahead=True))
+@pytest.mark.parametrize("pinning", ["ahead-on-cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_group_registered_after_one_that_pinned_the_budget_still_stores(monkeypatch, workdir, pinning):
+    """``kvdepot bench tp`` on the H200: every shard's arena pinned ahead (on CPU ``ahead=True``
+    runs the CUDA pinner over plain memory), the one-copy group registered first and pinned the
+    whole budget, and the per-rank group's stores were all dropped. Now each group gets its half."""
+    if pinning == "ahead-on-cpu":
+        monkeypatch.setattr(engine_module, "ArenaPinner", functools.partial(ArenaPinner, ahead=True))
     service = DepotService(load_config(chunk_size=CHUNK, host_capacity_gb=HOST_GB), url=f"ipc://{workdir}/p.sock")
     try:
         def pinned() -> bool:

@@ -101,8 +101,10 @@ class HostBudget:
 
     # ---- shares --------------------------------------------------------------------------------
     def share(self, arena: Hashable) -> int:
+        """0 for an arena that has left (a reclaim may reach one that is closing)."""
         with self._lock:
-            return self._share(self._members[arena])
+            member = self._members.get(arena)
+            return self._share(member) if member is not None else 0
 
     def held(self, arena: Hashable) -> int:
         with self._lock:

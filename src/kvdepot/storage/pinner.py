@@ -27,10 +27,13 @@ the thread takes it only to adopt a segment, never while allocating one.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any, Protocol
 
 from kvdepot.storage.host import HostTier
+
+logger = logging.getLogger("kvdepot")
 
 RETRY_S = 0.01  # a starving arena asks again after this, doubling up to MAX_RETRY_S
 MAX_RETRY_S = 1.0
@@ -61,11 +64,12 @@ class ArenaPinner:
         self._asks = 0  # promotions that asked for room
         self._answered = 0  # asks answered (memory added, or none to be had)
         self._stalled = False  # the last attempt to pin ahead got no memory
+        self._stopped = False  # the thread has ended (closed, or it failed)
 
     @property
     def pending_slots(self) -> int:
         """Slots the thread still means to pin ahead (its share); 0 when stalled or not pinning ahead."""
-        if self._thread is None or self._stalled or self._closing.is_set():
+        if self._thread is None or self._stalled or self._stopped or self._closing.is_set():
             return 0
         return max(0, self.host.target_slots() - self.host.allocated_slots)
 
@@ -88,6 +92,16 @@ class ArenaPinner:
         self._thread.start()
 
     def _pin_arena(self) -> None:
+        try:
+            self._pin_until_closed()
+        except Exception:  # noqa: BLE001 - the thread's boundary: cudaHostAlloc refused, say
+            logger.exception("kvdepot: pinning the host arena failed; it keeps the memory it has")
+        finally:
+            self._stopped = True
+            with self._room:
+                self._room.notify_all()
+
+    def _pin_until_closed(self) -> None:
         retry_s = RETRY_S
         while not self._closing.is_set():
             self._wake.clear()
@@ -136,14 +150,14 @@ class ArenaPinner:
         """Block until the thread adds memory (True), or up to ``timeout``; False at once, or
         as soon as it finds none to add, when no memory is coming (no thread, or the arena at its
         size and the budget spent). For a promotion, which runs off the step loop and may wait."""
-        if self._thread is None or self._closing.is_set() or timeout <= 0:
+        if self._thread is None or self._stopped or self._closing.is_set() or timeout <= 0:
             return False
         with self._room:
             seen = self._added
             self._asks += 1
             ask = self._asks
             self._wake.set()
-            self._room.wait_for(lambda: self._added != seen or self._answered >= ask or self._closing.is_set(), timeout)
+            self._room.wait_for(lambda: self._added != seen or self._answered >= ask or self._stopped, timeout)
             return self._added != seen
 
     def wait(self, timeout: float | None = None) -> None:
