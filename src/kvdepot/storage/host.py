@@ -195,8 +195,10 @@ class HostTier:
         given = 0
         for _, _, seg, keys in sorted(movable, key=lambda m: m[:2]):
             size = seg.memory.numel()
-            if given >= nbytes or given + size > room:
+            if given >= nbytes:
                 break
+            if given + size > room:
+                continue
             for key in keys:
                 self._drop(key)
             if keys:

@@ -9,9 +9,9 @@ A promoted chunk is read straight into a reserved host slot (reserve; the tier r
 disk with ``get_into``; commit) and pinned under the lease that found it at commit, so the load
 that follows finds it. A slot being written is WRITING: invisible to lookups and never evicted;
 a failed read frees it and pins nothing. An arena whose pinner is still adding memory is waited
-for (``room``, bounded by the lease timeout) rather than ending the promotion. Host-tier calls run under the host tier's lock, which
-the owner passes in (the engine's); the read into a slot runs outside it. The
-tables of futures are only read and written by single dict/set operations (atomic under the
+for (``room``, bounded by the lease timeout) rather than ending the promotion. Host-tier calls
+run under the host tier's lock, which the owner passes in (the engine's); the read into a slot
+runs outside it. The tables of futures are only read and written by single dict/set operations (atomic under the
 GIL), so they take no lock of their own.
 """
 
