@@ -33,7 +33,7 @@ import torch
 
 from kvdepot.config import DepotConfig, load_config
 from kvdepot.engine_api import Capabilities
-from kvdepot.engine_loads import Lease, LoadPath
+from kvdepot.engine_loads import Lease, PoolLoads, PoolsOwner
 from kvdepot.errors import ConfigError, LayoutError
 from kvdepot.events.base import NULL_SINK, EventSink, EventSpace
 from kvdepot.keys import ChunkHasher, ChunkKey, Namespace
@@ -57,7 +57,7 @@ __all__ = ["STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "LayeredLo
 STAGED_BELOW_BYTES = 2 << 20
 
 
-class CacheEngine(LoadPath):
+class CacheEngine(PoolsOwner):
     """Chunks of one KV pool geometry, cached in kvdepot's tiers.
 
     One lock (``_lock``, re-entrant) guards the host tier and the stats. The helpers the engine
@@ -113,9 +113,11 @@ class CacheEngine(LoadPath):
                 self._own_events.close()
             raise
         self._lock = threading.RLock()
-        self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s)
         self._pinner = ArenaPinner(self.host, self._lock)
+        self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s,
+                                      room=self._pinner.wait_for_room)
         self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead)
+        self._pool_loads: list[PoolLoads] = []  # loads into pools other than the attached one
         self._views: list[torch.Tensor] = []
         self._tokens = itertools.count(1)  # names the pins of loads and write-behind reads
         self._stats = EngineStats()
@@ -146,14 +148,7 @@ class CacheEngine(LoadPath):
 
     def register_views(self, views: Sequence[torch.Tensor], layout: PoolLayout) -> None:
         """(Re)attach the pool as block views (``transfer.base``). Geometry must not change."""
-        if layout.geometry != self.layout.geometry or layout.dtype != self.layout.dtype:
-            raise LayoutError(
-                f"pool geometry {layout.geometry}/{layout.dtype} differs from the engine's {self.layout.geometry}/{self.layout.dtype}"
-            )
-        devices = {v.device for v in views}
-        if len(devices) != 1:
-            raise LayoutError(f"block views must live on one device, got {sorted(map(str, devices))}")
-        device = devices.pop()
+        device = self._check_views(views, layout)
         with self._lock:
             self.wait_all()
             self.layout = layout
@@ -201,7 +196,7 @@ class CacheEngine(LoadPath):
         first = skip_tokens // size
         wanted = keys[first:]
         with self._lock:
-            self._transfers.poll_locked()
+            self._poll_locked()
             found = self.host.lookup(wanted, lease, self.config.lease_timeout_s)
             self._stats.lookups += 1
             self._stats.hits += found
@@ -256,7 +251,7 @@ class CacheEngine(LoadPath):
         self._check_blocks(len(keys), block_ids)
         bpc = self.layout.blocks_per_chunk
         with self._lock:
-            self._transfers.poll_locked()
+            self._poll_locked()
             slots = self.host.reserve_many(keys)
             placed = [
                 (keys[c], slot, list(block_ids[c * bpc : (c + 1) * bpc]))
@@ -306,16 +301,19 @@ class CacheEngine(LoadPath):
 
     # ---- waiting --------------------------------------------------------------------------
     def wait_arena(self, timeout: float | None = None) -> None:
-        """Block until the host arena is fully allocated (benchmarks; nothing else needs to wait)."""
+        """Block until the host arena is pinned as far ahead as it goes: all of it, or its share
+        of a server's budget (benchmarks; nothing else needs to wait)."""
         self._pinner.wait(timeout)
 
     def poll(self) -> None:
         """Complete transfers whose copies have finished (commit stores, unpin loads)."""
-        self._transfers.poll()
+        for transfers in (self._transfers, *self._pool_transfers()):
+            transfers.poll()
 
     def wait_all(self) -> None:
         """Block until every transfer enqueued so far has completed."""
-        self._transfers.wait_all()
+        for transfers in (self._transfers, *self._pool_transfers()):
+            transfers.wait_all()
 
     # White-box handles for the CUDA tests.
     @property
@@ -329,16 +327,16 @@ class CacheEngine(LoadPath):
     def stats(self) -> EngineStats:
         """Counters and a snapshot of the tiers (a copy: later calls do not change it)."""
         with self._lock:
-            self._transfers.poll_locked()
+            self._poll_locked()
             self.host.expire_leases()  # report leases past their timeout as gone, not live
             host = self.host.stats()
             s = self._stats
             s.evictions, s.dropped_stores = host.evictions, host.dropped
             s.live_leases, s.pinned_chunks = self.host.live_leases, self.host.pinned_chunks
-            s.inflight_transfers = len(self._transfers.inflight)
+            s.inflight_transfers = sum(len(t.inflight) for t in (self._transfers, *self._pool_transfers()))
             s.host_chunks, s.host_capacity_chunks = host.chunks, self.host.num_slots
-            # An unpinned (CPU) arena grows on demand: nothing is pending for it.
-            s.host_pending_chunks = self.host.num_slots - self.host.allocated_slots if self.host.pin_memory else 0
+            # Slots still to be pinned ahead (the arena's share); an unpinned (CPU) arena grows on demand.
+            s.host_pending_chunks = self._pinner.pending_slots
             s.promoting = self._promotions.running
             s.refused_batches = self.mover.refused
             s.lower = self.lower.stats().tiers if self.lower is not None else []
@@ -348,6 +346,8 @@ class CacheEngine(LoadPath):
         """Finish transfers, then drain write-behind and join the tier threads (outside the lock:
         write-behind providers take it)."""
         self._transfers.close()
+        for loads in list(self._pool_loads):
+            self.drop_loads(loads)
         self._pinner.close()
         self._promotions.close()
         if self.lower is not None:

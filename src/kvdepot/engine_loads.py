@@ -4,6 +4,7 @@
     retrieve_by_layer(...) -> (int, LayeredLoad | None)
     retrieve_async(..., by_layer=False) -> FinishedLoad      done in the call (nothing to overlap)
     can_load_by_layer() -> bool
+    PoolLoads      the same loads into one more pool: ``loads_into(pool)`` / ``drop_loads(loads)``
 
 Its own module because it is the engine's longest path; it shares the engine's state (declared
 below) and lock, and is never used apart from ``CacheEngine``.
@@ -19,6 +20,7 @@ from typing import Any
 
 import torch
 
+from kvdepot.config import DepotConfig
 from kvdepot.errors import LayoutError
 from kvdepot.keys import ChunkKey
 from kvdepot.layout import PoolLayout
@@ -161,3 +163,69 @@ class LoadPath:
             self._stats.load_seconds += time.perf_counter() - started
         return (skip_blocks + loaded_blocks) * B, layered
 
+
+
+class PoolLoads(LoadPath):
+    """Loads from an engine's host tier into a pool other than the one attached to it.
+
+    A one-copy TP group (``server/shard.py``) keeps one engine for every rank and loads each
+    rank's pool from it. Attaching each rank's pool in turn serialized the ranks' loads: an
+    attach waits for the copies in flight, and on CPU the copy itself ran under the shard's lock.
+    A ``PoolLoads`` per pool shares the engine's host tier, lock, promotions, mover and counters,
+    with block views and copy streams of its own, so loads into different pools run at once. The
+    engine polls, waits for and closes it with its own transfers (``CacheEngine.drop_loads``)."""
+
+    def __init__(self, engine: LoadPath, views: list[torch.Tensor], layout: PoolLayout,
+                 transfers: InflightTransfers) -> None:
+        self.layout, self._views, self._transfers = layout, views, transfers
+        self.host, self.mover, self._lock, self._promotions = engine.host, engine.mover, engine._lock, engine._promotions
+        self._tokens, self._stats, self.release = engine._tokens, engine._stats, engine.release
+
+    @property
+    def transfers(self) -> InflightTransfers:
+        return self._transfers
+
+
+class PoolsOwner(LoadPath):
+    """``CacheEngine``'s loads into more pools than the attached one: each a ``PoolLoads``, whose
+    transfers the engine polls, waits for and closes with its own."""
+
+    config: DepotConfig
+    _pool_loads: list[PoolLoads]
+
+    def _check_views(self, views: Sequence[torch.Tensor], layout: PoolLayout) -> torch.device:
+        if layout.geometry != self.layout.geometry or layout.dtype != self.layout.dtype:
+            raise LayoutError(
+                f"pool geometry {layout.geometry}/{layout.dtype} differs from the engine's {self.layout.geometry}/{self.layout.dtype}"
+            )
+        devices = {v.device for v in views}
+        if len(devices) != 1:
+            raise LayoutError(f"block views must live on one device, got {sorted(map(str, devices))}")
+        return devices.pop()
+
+    def loads_into(self, pool: torch.Tensor) -> PoolLoads:
+        """Loads into ``pool`` beside the attached one, concurrent with loads into other pools
+        (``engine_loads.PoolLoads``); ``drop_loads`` before the pool goes away."""
+        layout = PoolLayout.from_pool(pool, self.layout.tokens_per_block, self.layout.chunk_size)
+        views = [pool.view(torch.uint8).reshape(layout.num_blocks, -1)]
+        transfers = InflightTransfers(self._lock, self.config.load_layers_ahead)
+        transfers.attach(self._check_views(views, layout))
+        loads = PoolLoads(self, views, layout, transfers)
+        with self._lock:
+            self._pool_loads.append(loads)
+        return loads
+
+    def drop_loads(self, loads: PoolLoads) -> None:
+        """Wait for ``loads``' copies and forget it (its pool is about to go)."""
+        loads.transfers.close()
+        with self._lock:
+            if loads in self._pool_loads:
+                self._pool_loads.remove(loads)
+
+    def _pool_transfers(self) -> list[InflightTransfers]:
+        return [loads.transfers for loads in list(self._pool_loads)]
+
+    def _poll_locked(self) -> None:
+        """Complete the finished transfers of every pool (a finished load's pins go at once)."""
+        for transfers in (self._transfers, *self._pool_transfers()):
+            transfers.poll_locked()

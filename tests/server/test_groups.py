@@ -22,7 +22,8 @@ pytestmark = pytest.mark.timeout(60)
 
 TPB, CHUNK, BLOCKS, ELEMS = 8, 16, 8, 1 << 16  # a block of 512 KiB (bf16): a chunk of 1 MiB
 BPB = 2 * 2 * ELEMS * 2
-HOST_GB = 0.01  # 10 chunks in all
+CHUNK_BYTES = 2 * BPB
+HOST_GB = 0.01  # 9 chunks in all
 
 
 class Peer:
@@ -64,18 +65,45 @@ def _host_bytes(service: DepotService) -> int:
                for g in service.registry.groups() for s in g.shards.values())
 
 
-def test_every_model_group_draws_on_one_host_budget(service):
+def _slots(service: DepotService) -> list[int]:
+    """Host slots each shard holds, in registration order."""
+    return [s.engine.host.allocated_slots for g in service.registry.groups() for s in g.shards.values()]
+
+
+def test_every_model_group_draws_on_one_host_budget_and_gets_its_share(service):
     budget = int(HOST_GB * 1e9)
     peers = [Peer(service, f"engine-{i}".encode()) for i in range(6)]
     for i, peer in enumerate(peers):
         assert peer.register(f"model-{i}")[0] == 0
+    rounds = []
     for round_ in range(3):  # each model alone could fill the whole budget
         for i, peer in enumerate(peers):
             peer.store(100 * round_ + i)
+        rounds.append(_slots(service))
     held = _host_bytes(service)
     assert 0 < held <= budget, (held, budget)
     assert service.registry.budget.used == held
-    assert peers[0].store(999) == BLOCKS // 2  # a model at its share evicts its own coldest chunks, still stores
+    share = budget // len(peers)  # 1.67 chunks: each holds one or two (a whole segment of one chunk)
+    assert all(share // CHUNK_BYTES <= n and n * CHUNK_BYTES < share + CHUNK_BYTES for n in rounds[-1]), rounds
+    assert rounds[1] == rounds[2]  # shared once, memory stays put: no ping-pong between models
+    assert peers[0].store(999) == rounds[-1][0]  # at its share a model evicts its own coldest chunks
+
+
+def test_a_model_registering_after_another_filled_the_budget_gets_its_share(service):
+    """The first model alone may use the whole budget; a second one takes its share back from it
+    (the first one's coldest chunks go) rather than never storing at all."""
+    first, second = Peer(service, b"first"), Peer(service, b"second")
+    assert first.register("a")[0] == 0
+    for seed in range(4):  # 16 chunks into a budget of 9
+        first.store(seed)
+    assert _slots(service) == [int(HOST_GB * 1e9) // CHUNK_BYTES]
+    assert second.register("b")[0] == 0
+    assert second.store(100) == BLOCKS // 2  # 4 chunks: within its share of half the budget
+    a, b = _slots(service)
+    assert b * CHUNK_BYTES <= int(HOST_GB * 1e9) // 2 <= a * CHUNK_BYTES + CHUNK_BYTES
+    assert service.registry.budget.used == _host_bytes(service) <= int(HOST_GB * 1e9)
+    assert first.store(200) == BLOCKS // 2  # the first model still stores (growing into what is left)
+    assert _slots(service)[1] == b and service.registry.budget.used <= int(HOST_GB * 1e9)
 
 
 def test_an_idle_group_keeps_its_chunks_until_another_model_registers(service):

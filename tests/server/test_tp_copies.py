@@ -7,18 +7,26 @@ decides (the worker declares, a per-rank server refuses); a bad value is a one-l
 
 from __future__ import annotations
 
+import functools
 import secrets
+import threading
 
 import msgspec
 import pytest
 import torch
+from mp_helpers import wait_for
 
+from kvdepot import engine as engine_module
 from kvdepot.config import load_config
 from kvdepot.errors import ConfigError
+from kvdepot.layout import PoolLayout
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
 from kvdepot.server.remote import one_copy
 from kvdepot.server.service import DepotService
+from kvdepot.server.shard import Group
+from kvdepot.storage.budget import HostBudget
+from kvdepot.storage.pinner import ArenaPinner
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -109,6 +117,79 @@ def test_the_shared_copy_stays_pinned_until_the_last_rank_has_loaded(service):
     r0.call(p.Release(9))
     assert service.snapshot().shards[0].figures["live_leases"] == 0
     assert service.registry.groups()[0].shards[0]._loads == {}  # no count outlives its lease
+
+
+@pytest.mark.parametrize("pinning", ["ahead-on-cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_group_registered_after_one_that_pinned_the_budget_still_stores(monkeypatch, workdir, pinning):
+    """``kvdepot bench tp`` on the H200: every shard's arena pinned ahead (on CPU ``ahead=True``
+    runs the CUDA pinner over plain memory), the one-copy group registered first and pinned the
+    whole budget, and the per-rank group's stores were all dropped. Now each group gets its half."""
+    if pinning == "ahead-on-cpu":
+        monkeypatch.setattr(engine_module, "ArenaPinner", functools.partial(ArenaPinner, ahead=True))
+    service = DepotService(load_config(chunk_size=CHUNK, host_capacity_gb=HOST_GB), url=f"ipc://{workdir}/p.sock")
+    try:
+        def pinned() -> bool:
+            return all(s.figures["host_pending_chunks"] == 0 for s in service.snapshot().shards)
+
+        one = [Rank(service, r) for r in range(2)]
+        assert [r.register(True, model="one")[0] for r in one] == [0, 0]
+        assert wait_for(pinned) and service.registry.budget.used > 0.9 * HOST_GB * 1e9  # alone: all of it
+        per_rank = [Rank(service, r) for r in range(2)]
+        assert [r.register(False, model="per-rank")[0] for r in per_rank] == [0, 0]
+        assert wait_for(pinned)
+        data = _blocks(1)
+        assert [r.call(p.Store(KEYS, list(range(BLOCKS))), [data])[1].stored_chunks for r in per_rank] == [4, 4]
+        assert one[0].call(p.Store(KEYS, list(range(BLOCKS))), [data])[1].stored_chunks == 4
+        for rank in (one[0], per_rank[0]):
+            assert rank.call(p.Lookup(3, KEYS))[1].matched_tokens == 4 * CHUNK
+            assert rank.call(p.Release(3))[0] == 0
+        assert service.registry.budget.used <= HOST_GB * 1e9
+    finally:
+        service.close()
+
+
+def test_the_ranks_load_the_one_copy_at_once(monkeypatch):
+    """Each rank's load goes into its own pool under that pool's lock, not the shard's: both
+    copies are under way together. A mover that lets a copy start only once the other rank's has
+    started proves it (loads taken in turn would break its barrier)."""
+    config = load_config(chunk_size=CHUNK, host_capacity_gb=HOST_GB)
+    layout = PoolLayout(2 * BLOCKS, 2, 1, ELEMS, torch.bfloat16, TPB, CHUNK)
+    register = p.Register("mla", 0, 2, TPB, 2 * BLOCKS, 2, 1, ELEMS, "bfloat16", BPB, p.BytesPool(), one_copy=True)
+    group = Group(register, layout, config, HostBudget(int(HOST_GB * 1e9)))
+    shard = group.shard(0, layout)
+    assert group.shard(1, layout) is shard
+    pools = [torch.zeros(2 * BLOCKS, 2, 1, ELEMS, dtype=torch.bfloat16) for _ in range(2)]
+    pools[0][:BLOCKS] = torch.randn(BLOCKS, 2, 1, ELEMS)
+    keys = [bytes([i]) * 16 for i in range(1, BLOCKS // 2 + 1)]
+    shard.store(pools[0], keys, list(range(BLOCKS))).wait()
+    assert group.probe(keys, 0, "req") == (4 * CHUNK, 4 * CHUNK)
+    both = threading.Barrier(2, timeout=10)
+    scatter = shard.engine.mover.scatter_many
+
+    def scatter_together(copies, views):  # noqa: ANN001, ANN202
+        both.wait()
+        scatter(copies, views)
+
+    monkeypatch.setattr(shard.engine.mover, "scatter_many", scatter_together)
+    ends: dict[int, int] = {}
+
+    def load(rank: int) -> None:
+        ends[rank] = shard.retrieve(pools[rank], keys, list(range(BLOCKS, 2 * BLOCKS)), 0, None, "req")
+
+    threads = [threading.Thread(target=load, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ends == {0: 4 * CHUNK, 1: 4 * CHUNK}
+    for pool in pools:
+        assert torch.equal(pool[BLOCKS:].view(torch.uint8), pools[0][:BLOCKS].view(torch.uint8))
+    stats = shard.engine.stats()
+    assert (stats.live_leases, stats.pinned_chunks, shard._loads) == (0, 0, {})  # the last load released the lease
+    for pool in pools:
+        shard.detach(pool)
+    assert shard.engine.stats().inflight_transfers == 0 and shard._pools == {}
+    group.close()
 
 
 def test_workers_must_agree_and_a_per_rank_server_keeps_copies_apart(service, workdir):

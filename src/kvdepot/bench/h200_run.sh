@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -53,6 +53,8 @@ from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --dis
     layers) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes in-process --lengths ${TTFT_LENGTHS:-4096,32768} \
               --layers-ahead ${LAYERS_AHEAD:-4,64} --rounds 2 --json "$OUT/layers.json" 2>&1 | tee "$OUT/layers.txt" ;;
     bookkeeping) python3 -m kvdepot.cli bench bookkeeping 2>&1 | tee "$OUT/bookkeeping.txt" ;;
+    tp) KVD_BENCH_SERVER_LOG=$OUT/tp_server.log python3 -m kvdepot.cli bench tp --device cuda --reps 9 2>&1 | tee "$OUT/tp.txt"
+        tail -20 "$OUT/tp_server.log" ;;
     uva|hybrid|batch) echo "step $step was retired with tools/uva_probe.py (issue 15): see docs/perf-notes.md" ;;
     *) echo "unknown step $step" ;;
   esac

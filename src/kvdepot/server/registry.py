@@ -5,9 +5,12 @@
     Registry.groups() / close()
 
 Budget: ``host_capacity_gb`` is the server's, not each model's. Every shard's host arena takes
-its segments from one ``HostBudget``, so however many model ids (or cache salts) register, the
-host memory of all of them together stays within it; a full budget makes a shard evict its own
-coldest chunks, as a full arena does.
+its segments from one ``HostBudget`` (``storage/budget.py``), so however many model ids (or cache
+salts) register, the host memory of all of them together stays within it. Each group is entitled
+to an equal share, split among its shards, whatever order they register in: an arena above its
+share gives whole segments back to one starving below its own (a CUDA arena is pinned ahead, so
+the first group would otherwise hold it all), and one at its share evicts its own coldest chunks,
+as a full arena does.
 
 Freeing: a group whose last session has gone is *idle*. Its chunks stay (an engine that restarts
 finds its cache, the reason the server outlives engines) until another model's first REGISTER:
@@ -31,30 +34,12 @@ from kvdepot.server.ipc import MAX_LAYER_EVENTS, IpcError, device_by_uuid, open_
 from kvdepot.server.protocol import ErrorCode, ProtocolError
 from kvdepot.server.session import Registration, Session
 from kvdepot.server.shard import Group
+from kvdepot.storage.budget import HostBudget
 
 logger = logging.getLogger("kvdepot")
 
 _LIMITS = {"tp_size": 4096, "num_blocks": 1 << 31, "num_layers": 4096, "block_elems": 1 << 31,
            "tokens_per_block": 1 << 20, "bytes_per_block": 1 << 36}
-
-
-class HostBudget:
-    """Bytes of host memory shared by every shard's arena (``storage.host.Budget``); thread-safe."""
-
-    def __init__(self, total_bytes: int) -> None:
-        self.total, self.used = total_bytes, 0
-        self._lock = threading.Lock()
-
-    def take(self, want: int, unit: int) -> int:
-        """Up to ``want`` bytes, in whole ``unit``s (a slot); 0 when not even one unit is left."""
-        with self._lock:
-            granted = min(want, self.total - self.used) // unit * unit
-            self.used += granted
-            return granted
-
-    def give(self, nbytes: int) -> None:
-        with self._lock:
-            self.used -= nbytes
 
 
 class Registry:

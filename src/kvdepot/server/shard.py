@@ -3,7 +3,8 @@
     Group    one model (model id + cache salt): its geometry, TP size and key namespace; a worker
              whose geometry differs is refused. ``lookup`` hits only where *every* rank holds the
              chunk, so a TP engine never loads a prefix that some rank lacks. Every shard's host
-             arena draws on the server's one ``Budget`` (``registry.HostBudget``).
+             arena draws on the server's one ``Budget`` (``storage/budget.py``), a fair
+             share each.
     Shard    one rank of a group: a ``CacheEngine`` whose host tier outlives clients. Workers of
              several engine instances may register the same rank; their pools differ, so each copy
              attaches the caller's pool to the engine first (``register_pool``), serialized by
@@ -11,8 +12,11 @@
 
 One copy (``Register.one_copy``: KV the same on every rank, MLA's latent): the group has a single
 shard that every rank's registration uses, so a chunk is stored once (a second rank's store of it
-is a duplicate, skipped) and loaded into each rank's pool by attaching that pool as above. The
-group is complete once every rank has registered; its shard keeps the whole host share.
+is a duplicate, skipped) and loaded into each rank's pool through a ``PoolLoads`` of that pool
+(``CacheEngine.loads_into``), under a lock per pool: the ranks' loads run at once (attaching
+each rank's pool in turn serialized them). Each load pins its own slots; the lookup's lease is
+released by the last rank's load to have pinned them, so every rank finds the copy. The group is
+complete once every rank has registered; its shard keeps the whole host share.
 
 Keys are rank-free (``namespace.mp_namespace``); the shard a chunk lives in supplies the rank, so
 the server's object identity is (key, rank) — in host memory by engine, on disk and in Redis by
@@ -30,11 +34,13 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from kvdepot.config import DepotConfig
 from kvdepot.engine import CacheEngine, StoreHandle
+from kvdepot.engine_loads import LoadPath, PoolLoads
 from kvdepot.events.base import NULL_SINK
 from kvdepot.events.publisher import KVEventPublisher
 from kvdepot.keys import ChunkHasher, ChunkKey
@@ -42,7 +48,7 @@ from kvdepot.layout import PoolLayout
 from kvdepot.server.layer_progress import LayerIssuer
 from kvdepot.server.namespace import mp_namespace
 from kvdepot.server.protocol import ErrorCode, ProtocolError, Register
-from kvdepot.storage.host import Budget
+from kvdepot.storage.budget import Budget
 from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
@@ -66,6 +72,7 @@ class Shard:
         self.lock = threading.Lock()
         self._loads: dict[Hashable, int] = {}  # one-copy group: loads so far under each lease
         self._loads_lock = threading.Lock()  # dict operations only: forget() never waits on a copy
+        self._pools: dict[torch.Tensor, tuple[PoolLoads, threading.Lock]] = {}  # one-copy group: by rank pool
         self.issuer = LayerIssuer(f"kvdepot-layers-{rank}")  # loads answered early: the rest of their layers
         self._attached: torch.Tensor | None = None
         self._placeholder = torch.empty(
@@ -93,16 +100,21 @@ class Shard:
         self._attached = None
 
     def detach(self, pool: torch.Tensor) -> None:
-        """Drop the engine's reference to ``pool`` (its mapping is about to close)."""
+        """Drop the engine's references to ``pool`` (its mapping is about to close)."""
         with self.lock:
+            loads = self._pools.pop(pool, None)
             if self._attached is pool:
                 self._detach_locked()
             else:
                 self.engine.wait_all()
+        if loads is not None:
+            with loads[1]:  # after the load into it that may be running
+                self.engine.drop_loads(loads[0])
 
     def close(self) -> None:
         """Finish the engine's work and give its host memory back to the server's budget."""
         self.issuer.close()
+        self._pools.clear()
         self.engine.close()
         self.engine.host.close()
 
@@ -127,29 +139,50 @@ class Shard:
     ) -> int:
         """Load; ``after(load)`` runs under the lock once the copy is enqueued (record events):
         ``load`` is the layered load where ``by_layer`` asked for one and the engine made one
-        (``stream`` was then not made to wait), else None."""
+        (``stream`` was then not made to wait), else None. A one-copy group loads a rank's
+        pool under that pool's own lock, beside the other ranks' loads."""
+        shared = self.group.one_copy and lease is not None  # the lookup's lease: _loaded() releases it
+        args = dict(skip_blocks=skip_blocks, num_blocks=num_blocks, lease=None if shared else lease, stream=stream)
+        by_layer = by_layer and self.engine.config.load_by_layer == "auto"
+        try:
+            if self.group.one_copy and not transient:
+                with self._pool_lock(pool) as loads:
+                    self._check_deadline(deadline_ns)
+                    if shared:
+                        self._await_promotion(lease)
+                    return _load(loads, keys, block_ids, args, by_layer, after)
+            with self.lock:
+                self._check_deadline(deadline_ns)
+                self._attach(pool)
+                if shared:
+                    self._await_promotion(lease)
+                end = _load(self.engine, keys, block_ids, args, by_layer, after)
+                if transient:
+                    self._detach_locked()
+                return end
+        finally:
+            if shared:
+                self._loaded(lease)
+
+    @contextlib.contextmanager
+    def _pool_lock(self, pool: torch.Tensor) -> Iterator[PoolLoads]:
+        """Hold ``pool``'s own lock (one-copy group), with its ``PoolLoads``, made at its first load."""
         with self.lock:
-            self._check_deadline(deadline_ns)
-            self._attach(pool)
-            if self.group.one_copy and lease is not None:
-                lease = self._shared_lease(lease)
-            args = dict(skip_blocks=skip_blocks, num_blocks=num_blocks, lease=lease, stream=stream)
-            load = None
-            if by_layer and self.engine.config.load_by_layer == "auto":
-                end, load = self.engine.retrieve_by_layer(keys, block_ids, **args)
-            else:
-                end = self.engine.retrieve(keys, block_ids, **args)
-            if after is not None:
-                after(load)
-            if transient:
-                self._detach_locked()
-            return end
+            entry = self._pools.get(pool)
+            if entry is None:
+                entry = self._pools[pool] = (self.engine.loads_into(pool), threading.Lock())
+        with entry[1]:
+            yield entry[0]
 
+    def _await_promotion(self, lease: Hashable) -> None:
+        """Until the lower-tier chunks of the lease's hit are read into host memory (bounded)."""
+        deadline = time.monotonic() + self.engine.config.lease_timeout_s
+        while not self.engine.promotion_done(lease) and time.monotonic() < deadline:
+            time.sleep(0.0005)
 
-    def _shared_lease(self, lease: Hashable) -> Hashable | None:
-        """The lease a one-copy load hands the engine (which releases it after loading): the real
-        one for the last rank's load only. Earlier ranks load after the lease's promotion without
-        releasing, so the lookup's pins hold the copy for every rank's load. Under the lock."""
+    def _loaded(self, lease: Hashable) -> None:
+        """One more rank's load under ``lease`` has pinned its slots (or failed): at the last
+        one, the lookup's pins are no longer needed."""
         with self._loads_lock:
             count = self._loads.get(lease, 0) + 1
             last = count >= self.group.tp_size
@@ -158,11 +191,7 @@ class Shard:
             else:
                 self._loads[lease] = count
         if last:
-            return lease
-        deadline = time.monotonic() + self.engine.config.lease_timeout_s
-        while not self.engine.promotion_done(lease) and time.monotonic() < deadline:
-            time.sleep(0.0005)  # lower-tier chunks of the hit are still being read into host memory
-        return None
+            self.engine.release(lease)
 
     def forget(self, lease: Hashable) -> None:
         """The lease was released: no more loads count under it."""
@@ -184,8 +213,9 @@ class Group:
         self.ranks: set[int] = set()  # registered so far (a one-copy group has one shard for all)
         namespace = mp_namespace(msg.model_id, layout.dtype_name, layout.geometry, layout.chunk_size, msg.tp_size, msg.cache_salt)
         self.hasher = ChunkHasher(namespace, config.hash_algo)
-        # The ranks share the server's host budget equally; one chunk per rank at least. The disk
-        # budget needs no split: every tier under one disk_path shares it (storage/disk_budget.py).
+        # The shards' capacities split the server's host budget: as the budget's weights, they give
+        # every group an equal share, split equally among its ranks (one chunk per rank at least).
+        # The disk budget needs no split: every tier under one disk_path shares it (storage/disk_budget.py).
         copies = 1 if self.one_copy else msg.tp_size
         per_rank = max(config.host_capacity_gb / copies, (layout.chunk_bytes + 64) / 1e9)
         self.config = dataclasses.replace(
@@ -274,6 +304,19 @@ class Group:
             shard.engine.release(lease)
             if self.one_copy:
                 shard.forget(lease)
+
+
+def _load(loads: LoadPath, keys: Sequence[ChunkKey], block_ids: Sequence[int], args: dict[str, Any], by_layer: bool,
+          after: Callable[[LayerWaits | None], None] | None) -> int:
+    """One load (by layer where asked), then ``after(layered load or None)``; its end in tokens."""
+    load = None
+    if by_layer:
+        end, load = loads.retrieve_by_layer(keys, block_ids, **args)
+    else:
+        end = loads.retrieve(keys, block_ids, **args)
+    if after is not None:
+        after(load)
+    return end
 
 
 def _one_copy(msg: Register, config: DepotConfig) -> bool:

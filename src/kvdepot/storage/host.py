@@ -1,8 +1,11 @@
 """The host tier: an arena of fixed-size chunk slots in (pinned) host memory.
 
 Each slot holds one chunk: ``blocks_per_chunk`` whole blocks, laid out as ``transfer.base``
-describes. Slot memory is allocated in segments as the arena fills, so start-up does not pay
-for pinning gigabytes the cache has not used yet; the arena never grows past its capacity.
+describes. Slot memory is allocated in segments as the arena fills (or ahead, by its owner's
+pinner), so start-up does not pay for pinning gigabytes the cache has not used yet; the arena
+never grows past its capacity. Arenas that share a ``Budget`` (the server's models) take their
+segments from it, and an arena above its fair share gives whole segments back (``give_back``,
+their chunks evicted) to one starving below its own.
 
 Life of a slot: FREE -> ``reserve`` (WRITING: allocated, not readable) -> ``commit(ok)`` ->
 READY (readable, in the eviction order) or FREE again. Reads happen under *leases*: a lease
@@ -20,28 +23,23 @@ import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
 from kvdepot.events.base import NULL_SINK, EventSink, Medium
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.base import TierStats
+from kvdepot.storage.budget import Budget
 from kvdepot.storage.policy import POLICIES
 
 SEGMENT_BYTES = 128 << 20  # grow the arena 128 MiB (or one slot, if larger) at a time
+_GONE = torch.empty(0, dtype=torch.uint8)  # the view of a slot whose segment was given back
 
 
-class Budget(Protocol):
-    """Bytes several arenas share (the kvdepot server's one host budget for all its models)."""
-
-    total: int
-
-    def take(self, want: int, unit: int) -> int:
-        """Up to ``want`` bytes in whole ``unit``s; 0 when not one unit is left."""
-        ...
-
-    def give(self, nbytes: int) -> None: ...
+@dataclass
+class _Segment:
+    first: int  # index of its first slot
+    memory: torch.Tensor  # [slots, slot_bytes]
 
 
 @dataclass
@@ -71,11 +69,13 @@ class HostTier:
         self.num_slots = capacity_bytes // slot_bytes
         self.pin_memory = pin_memory
         self._per_segment = max(1, min(self.num_slots, SEGMENT_BYTES // slot_bytes))
-        self._segments: list[torch.Tensor] = []
+        self._segments: list[_Segment] = []
         self._slot_views: list[torch.Tensor] = []  # slot index -> its view (made once: ~5 us each)
         # False when the owner pins segments on a thread of its own: a store then never waits
-        # for cudaHostAlloc (it evicts, or drops and counts, until memory arrives).
+        # for cudaHostAlloc (it evicts, or drops and counts, until memory arrives), and calls
+        # ``on_short`` when it found no free slot in an arena that may still grow.
         self.grow_inline = True
+        self.on_short: Callable[[], None] = _nothing
         self._allocated = 0  # slots backed by memory so far
         self._free: list[int] = []
         self._slot_of: dict[ChunkKey, int] = {}
@@ -87,25 +87,30 @@ class HostTier:
         self._events = events  # told of every chunk that becomes READY and every READY one dropped
         self._stats = TierStats(name=self.name, capacity_bytes=self.num_slots * slot_bytes)
         self._budget: Budget | None = None
-        self._taken = 0  # bytes of the segments taken from the budget
 
     def share_budget(self, budget: Budget | None) -> None:
-        """Take every segment from ``budget`` too (before any is allocated): a segment is cut
-        short to what the budget has left, and none is allocated when it has nothing left.
-        Segments shrink to 1/16 of the budget at most, so the first arena to grow does not take
-        the whole budget for a few chunks."""
+        """Take every segment from ``budget`` too (before any is allocated), as one of the arenas
+        that share it fairly, weighted by capacity (``storage/budget.py``). Segments shrink to
+        1/16 of the budget at most, so that shares can be met to within one and the first arena
+        to grow does not take the whole budget for a few chunks."""
         if self._allocated:
             raise ValueError("share_budget: the arena has memory already")
         self._budget = budget
         if budget is not None:
             self._per_segment = max(1, min(self._per_segment, budget.total // 16 // self.slot_bytes))
+            budget.join(self, self.num_slots * self.slot_bytes)
+
+    def join_budget(self, reclaim: Callable[[int], int], wake: Callable[[], None]) -> None:
+        """The owner's callbacks for the budget: ``reclaim(n)`` gives back >= n bytes if it can
+        (``give_back`` under the owner's lock, never waiting for it), ``wake`` says memory came free."""
+        if self._budget is not None:
+            self._budget.join(self, self.num_slots * self.slot_bytes, reclaim, wake)
 
     def close(self) -> None:
         """Drop the arena's memory and give it back to the budget; the tier holds nothing after
         (its owner has finished every copy). Idempotent."""
         if self._budget is not None:
-            self._budget.give(self._taken)
-        self._taken = 0
+            self._budget.leave(self)
         self._segments, self._slot_views, self._free = [], [], []
         self._slot_of, self._ready, self._pins, self._leases = {}, set(), {}, {}
         self._allocated = self.num_slots = 0
@@ -114,6 +119,12 @@ class HostTier:
     def slot(self, key: ChunkKey) -> torch.Tensor:
         """The 1-D uint8 memory of ``key``'s slot. Only for a writer or a lease holder."""
         return self._slot_views[self._slot_of[key]]
+
+    def target_slots(self) -> int:
+        """Slots worth allocating ahead of use: the arena's share of the budget, else all of it."""
+        if self._budget is None:
+            return self.num_slots
+        return min(self.num_slots, self._budget.share(self) // self.slot_bytes)
 
     def next_segment_shape(self) -> tuple[int, int] | None:
         """Shape of the segment that would back the next slots, or None when the arena is full size."""
@@ -126,40 +137,81 @@ class HostTier:
         """Free slots are running low and the arena may still grow: allocate ahead (off-thread)."""
         return len(self._free) < max(1, self._per_segment // 2) and self.next_segment_shape() is not None
 
-    def allocate_segment(self) -> torch.Tensor | None:
-        """Memory for the next segment. Pinning is slow (~GB/s), so callers may run this off-lock."""
+    def allocate_segment(self, max_slots: int | None = None) -> torch.Tensor | None:
+        """Memory for the next segment (at most ``max_slots``), taken from the budget, for which
+        the arena reclaims memory from arenas above their share when it starves below its own.
+        Pinning is slow (~GB/s), so callers may run this off-lock."""
         shape = self.next_segment_shape()
         if shape is None:
             return None
+        count = min(shape[0], max_slots) if max_slots is not None else shape[0]
+        if count <= 0:
+            return None
         if self._budget is not None:
-            count = self._budget.take(shape[0] * self.slot_bytes, self.slot_bytes) // self.slot_bytes
+            want = count * self.slot_bytes
+            taken = self._budget.take(self, want, self.slot_bytes)
+            if not taken and self._budget.reclaim_for(self):
+                taken = self._budget.take(self, want, self.slot_bytes)
+            count = taken // self.slot_bytes
             if not count:
                 return None
-            shape = (count, self.slot_bytes)
         try:
-            return torch.empty(shape, dtype=torch.uint8, pin_memory=self.pin_memory)
+            return torch.empty((count, self.slot_bytes), dtype=torch.uint8, pin_memory=self.pin_memory)
         except BaseException:
             if self._budget is not None:
-                self._budget.give(shape[0] * self.slot_bytes)
+                self._budget.give(self, count * self.slot_bytes)
             raise
 
     def add_segment(self, segment: torch.Tensor) -> bool:
         """Adopt memory from ``allocate_segment``; refused if it no longer fits the arena."""
         want = self.next_segment_shape()
-        nbytes = segment.shape[0] * segment.shape[1]
-        fits = want == tuple(segment.shape) or (
-            self._budget is not None and want is not None and segment.shape[1] == want[1] and segment.shape[0] <= want[0])
-        if not fits:
-            if self._budget is not None:
-                self._budget.give(nbytes)
-            return False
-        self._taken += nbytes if self._budget is not None else 0
         count = segment.shape[0]
-        self._segments.append(segment)
+        if want is None or segment.shape[1] != self.slot_bytes or count > want[0]:
+            if self._budget is not None:
+                self._budget.give(self, count * self.slot_bytes)
+            return False
+        first = len(self._slot_views)  # indices of given-back segments are never reused
+        self._segments.append(_Segment(first, segment))
         self._slot_views.extend(segment.unbind(0))
-        self._free.extend(range(self._allocated + count - 1, self._allocated - 1, -1))
+        self._free.extend(range(first + count - 1, first - 1, -1))
         self._allocated += count
         return True
+
+    def give_back(self, nbytes: int) -> int:
+        """Free whole segments, >= ``nbytes`` if it can, for an arena that starves below its share
+        of the budget; the bytes given back. The arena never ends a whole segment below its own
+        share. Only a segment no lease pins and nobody writes goes, its chunks evicted; the
+        emptiest first."""
+        if self._budget is None:
+            return 0
+        room = self._budget.held(self) - self._budget.share(self) + self._per_segment * self.slot_bytes - 1
+        self.expire_leases()
+        owner = {slot: key for key, slot in self._slot_of.items()}
+        movable = []
+        for seg in self._segments:
+            keys = [owner[i] for i in range(seg.first, seg.first + seg.memory.shape[0]) if i in owner]
+            if all(k in self._ready and not self._pins.get(k) for k in keys):
+                movable.append((len(keys), -seg.first, seg, keys))
+        given = 0
+        for _, _, seg, keys in sorted(movable, key=lambda m: m[:2]):
+            size = seg.memory.numel()
+            if given >= nbytes:
+                break
+            if given + size > room:
+                continue
+            for key in keys:
+                self._drop(key)
+            if keys:
+                self._events.removed(Medium.HOST, tuple(keys))
+                self._stats.evictions += len(keys)
+            span = range(seg.first, seg.first + seg.memory.shape[0])
+            self._free = [i for i in self._free if i not in span]
+            self._slot_views[span.start : span.stop] = [_GONE] * len(span)
+            self._segments.remove(seg)
+            self._allocated -= len(span)
+            self._budget.give(self, size)
+            given += size
+        return given
 
     def _grow(self) -> bool:
         segment = self.allocate_segment()
@@ -185,11 +237,12 @@ class HostTier:
         self._policy.remove(key)
 
     # ---- two-phase write ------------------------------------------------------------------
-    def reserve(self, key: ChunkKey) -> torch.Tensor | None:
-        """Allocate a WRITING slot for ``key``; None if present already or nothing is evictable."""
-        return self.reserve_many([key])[0]
+    def reserve(self, key: ChunkKey, *, count_drop: bool = True) -> torch.Tensor | None:
+        """Allocate a WRITING slot for ``key``; None if present already or nothing is evictable
+        (counted as dropped unless the caller will try again: ``count_drop=False``)."""
+        return self.reserve_many([key], count_drop=count_drop)[0]
 
-    def reserve_many(self, keys: Sequence[ChunkKey]) -> list[torch.Tensor | None]:
+    def reserve_many(self, keys: Sequence[ChunkKey], *, count_drop: bool = True) -> list[torch.Tensor | None]:
         """``reserve`` each of ``keys`` in order, in one call: a store of many chunks.
 
         Timed-out leases are expired at the first eviction, so their pins do not keep a full arena
@@ -202,11 +255,13 @@ class HostTier:
                 slots.append(None)
                 continue
             if not self._free and not (self.grow_inline and self._grow()):
+                if not self.grow_inline and self.next_segment_shape() is not None:
+                    self.on_short()  # the pinner may add memory (off-thread; this write goes on)
                 if not expired:
                     self.expire_leases()
                     expired = True
                 if not self._evict_one():
-                    self._stats.dropped += 1
+                    self._stats.dropped += count_drop
                     slots.append(None)
                     continue
             self._slot_of[key] = self._free.pop()
@@ -279,6 +334,10 @@ class HostTier:
     def contains(self, key: ChunkKey) -> bool:
         return key in self._ready
 
+    def present(self, key: ChunkKey) -> bool:
+        """READY, or WRITING (reserved, not committed yet)."""
+        return key in self._slot_of
+
     def delete(self, key: ChunkKey) -> bool:
         if key not in self._ready or self._pins.get(key):
             return False
@@ -303,3 +362,7 @@ class HostTier:
         self._stats.chunks = len(self._ready)
         self._stats.used_bytes = len(self._slot_of) * self.slot_bytes
         return self._stats
+
+
+def _nothing() -> None:
+    pass

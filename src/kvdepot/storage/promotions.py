@@ -8,16 +8,18 @@
 A promoted chunk is read straight into a reserved host slot (reserve; the tier reads into it, the
 disk with ``get_into``; commit) and pinned under the lease that found it at commit, so the load
 that follows finds it. A slot being written is WRITING: invisible to lookups and never evicted;
-a failed read frees it and pins nothing. Host-tier calls run under the host tier's lock, which
-the owner passes in (the engine's); the read into a slot runs outside it. The
-tables of futures are only read and written by single dict/set operations (atomic under the
+a failed read frees it and pins nothing. An arena whose pinner is still adding memory is waited
+for (``room``, bounded by the lease timeout) rather than ending the promotion. Host-tier calls
+run under the host tier's lock, which the owner passes in (the engine's); the read into a slot
+runs outside it. The tables of futures are only read and written by single dict/set operations (atomic under the
 GIL), so they take no lock of their own.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any
@@ -33,9 +35,11 @@ class Promotions:
     """The engine's promotions from disk/Redis into host memory, by lease until its load takes it."""
 
     def __init__(
-        self, host: HostTier, lower: TierManager | None, lock: AbstractContextManager[Any], lease_timeout_s: float
+        self, host: HostTier, lower: TierManager | None, lock: AbstractContextManager[Any], lease_timeout_s: float,
+        room: Callable[[float], bool] = lambda _timeout: False,
     ) -> None:
         self.host, self.lower, self._lock, self._lease_timeout_s = host, lower, lock, lease_timeout_s
+        self._room = room  # waits (up to its timeout) for memory the arena's pinner adds; False: none coming
         self._by_lease: dict[Any, Future[int]] = {}  # by lease, until its load takes it
         self._running: set[Future[int]] = set()  # every promotion still running
 
@@ -114,16 +118,34 @@ class Promotions:
 
     def _reserve(self, lease: Any) -> Reserve:
         """Targets for promoted chunks: a WRITING host slot each, committed and pinned under
-        ``lease`` when the read succeeds, freed when it fails."""
+        ``lease`` when the read succeeds, freed when it fails.
+
+        An arena with no free slot and nothing evictable may still be growing: a fresh engine's
+        pinner thread adds memory at a few GB/s, far slower than a promotion of gigabytes reads.
+        Then the promotion (off the step loop) waits for that memory, up to the lease timeout in
+        all, rather than stopping early; an arena at its full size, full of pinned chunks, stops
+        it at once."""
+        deadline: list[float] = []  # set at the promotion's first wait
 
         def reserve(key: ChunkKey) -> Target | None:
-            with self._lock:
-                slot = self.host.reserve(key)
-                if slot is None:
-                    if not self.host.contains(key):
-                        return None  # arena full of pinned chunks, or another promotion writes it
-                    self.host.pin(lease, [key], self._lease_timeout_s)
-                    return None, _nothing
+            while True:
+                with self._lock:
+                    if self.host.present(key):
+                        if not self.host.contains(key):
+                            return None  # another promotion writes it
+                        self.host.pin(lease, [key], self._lease_timeout_s)
+                        return None, _nothing
+                    slot = self.host.reserve(key, count_drop=False)
+                if slot is not None:
+                    break
+                if not deadline:
+                    deadline.append(time.monotonic() + self._lease_timeout_s)
+                if not self._room(deadline[0] - time.monotonic()):
+                    with self._lock:  # a last try, counted as a dropped write if it fails
+                        slot = self.host.reserve(key)
+                    if slot is None:
+                        return None
+                    break
 
             def done(ok: bool) -> None:
                 with self._lock:
