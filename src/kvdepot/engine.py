@@ -108,6 +108,8 @@ class CacheEngine(LoadPath):
             self.mover: BlockMover = mover or _pick_mover(self.config.transfer_mover, layout)
             self.lower = TierManager.from_config(self.config, self.hasher.seed, self.events) if (
                 self.config.disk_path or self.config.remote_url) else None
+            if self.lower is not None:  # promoted chunks go down to disk as lazy jobs, read from their slots
+                self.lower.copy_from_host(self._provider)
         except BaseException:
             if self._own_events is not None:
                 self._own_events.close()
