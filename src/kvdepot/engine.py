@@ -211,7 +211,9 @@ class CacheEngine(LoadPath):
         with self._lock:
             self._stats.hits += more
             self._stats.misses += found + more < len(wanted)
-        return Hit((first + found + more) * size, (first + found) * size)
+        rate = self.lower.read_rate() if more and self.lower is not None else None
+        per_token = self.layout.chunk_bytes / size
+        return Hit((first + found + more) * size, (first + found) * size, None if rate is None else rate / per_token)
 
     def try_probe(self, keys: Sequence[ChunkKey], *, skip_tokens: int = 0, lease: Lease | None = None) -> Hit | None:
         """``probe`` if it cannot block — no lower tier (its lookups do I/O) and the engine's lock

@@ -176,6 +176,19 @@ def test_promoted_chunks_go_to_disk_as_lazy_jobs(disk: DiskTier) -> None:
         manager.close()
 
 
+def test_finished_promotions_measure_the_read_rate(managers: Callable[..., TierManager]) -> None:
+    remote = filled(4)
+    manager = managers(None, remote, streams=2)
+    assert manager.read_rate() is None
+    assert manager.promote([key(0)], Sink(present=[key(0)])).result(timeout=5) == 1
+    assert manager.read_rate() is None  # nothing was read: no sample
+    assert manager.promote([key(i) for i in range(4)], Sink()).result(timeout=5) == 4
+    measured = manager.read_rate()
+    assert measured is not None and measured > 0
+    assert manager.promote([key(9)], Sink()).result(timeout=5) == 0  # a miss moves nothing
+    assert manager.read_rate() == measured
+
+
 @pytest.fixture
 def disk(tmp_path: object) -> DiskTier:
     from pathlib import Path

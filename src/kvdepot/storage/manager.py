@@ -15,6 +15,7 @@ Primitives (keys are ``ChunkKey``s; payloads are a chunk's exact bytes):
     write_behind(key, provider) -> bool  enqueue copies of a chunk committed to host memory;
                                        False when dropped (queue full, closed); never blocks
     note_hits(keys)                    chunks reused from host memory: sightings for admission
+    read_rate() -> float | None        bytes/s of finished promotions (None until measured)
     flush(); close()                   wait for queued writes; drain and join every thread
 
 Promotion reads into the caller's memory: every tier's ``get_into`` reads and verifies the payload
@@ -44,6 +45,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +62,7 @@ from kvdepot.storage.codec import Payload
 from kvdepot.storage.disk import DiskTier
 from kvdepot.storage.promote_reads import PromoteReads, Reserve
 from kvdepot.storage.promote_reads import Target as Target
+from kvdepot.storage.rate import Rate
 from kvdepot.storage.redis_tier import RedisTier
 
 logger = logging.getLogger("kvdepot")
@@ -140,6 +143,7 @@ class TierManager:
         self._queue: queue.Queue[tuple[ChunkKey, Provider, tuple[LowerTier, ...], bool] | None] = queue.Queue(queue_depth)
         self._pool = ThreadPoolExecutor(promoters, thread_name_prefix="kvdepot-promote")
         self._reads = PromoteReads(self.tiers, disk, streams)  # reader threads, shared by every promotion
+        self._read_rate = Rate()
         self._writers = [
             threading.Thread(target=self._write_loop, name=f"kvdepot-writer-{i}", daemon=True)
             for i in range(writers if self.tiers else 0)  # no lower tier: no threads
@@ -201,19 +205,26 @@ class TierManager:
         held = self.disk.hold(keys) if self.disk is not None else [None] * len(keys)
         with self._lock:
             if not self._closing:
-                return self._pool.submit(self._promote, keys, reserve, held)
+                return self._pool.submit(self._promote, keys, reserve, held, time.monotonic())
         if self.disk is not None:
             self.disk.let_go(held)
         done: Future[int] = Future()
         done.set_result(0)
         return done
 
-    def _promote(self, keys: list[ChunkKey], reserve: Reserve, held: list[int | None]) -> int:
+    def _promote(self, keys: list[ChunkKey], reserve: Reserve, held: list[int | None], asked: float | None = None) -> int:
         placed = self._copy_down if self.promote_to_disk else _nowhere
-        count = self._reads.run(keys, reserve, held, placed)
+        count, read_bytes = self._reads.run(keys, reserve, held, placed)
+        if asked is not None:  # from the call: a promotion's wait behind others is part of its cost
+            self._read_rate.add(read_bytes, time.monotonic() - asked)
         with self._lock:
             self._stats.promoted += count
         return count
+
+    def read_rate(self) -> float | None:
+        """Bytes per second of the promotions finished so far, from ``promote``'s call to the last
+        chunk placed (a recent-weighted ratio: ``rate.Rate``); None before one read anything."""
+        return self._read_rate.per_second
 
     def _copy_down(self, key: ChunkKey, level: int, view: memoryview) -> None:
         """Queue a copy of a chunk read from a lower tier into the tiers above it (Redis -> disk):

@@ -1,8 +1,9 @@
 """A promotion's reads: several chunks in flight at once, their targets finished in order.
 
     reads = PromoteReads(tiers, disk, streams)
-    reads.run(keys, reserve, held, placed) -> int   the chunks of one promotion: the count of
-                                                    consecutive chunks placed from the first
+    reads.run(keys, reserve, held, placed) -> Promoted  the chunks of one promotion: the count
+                                                    of consecutive chunks placed from the first,
+                                                    and the bytes of them read
     reads.read_into(key, view, held) -> level|None  one chunk, from the highest tier that has it
     reads.close()                                   join the reader threads
 
@@ -25,7 +26,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.base import Tier
@@ -43,6 +44,11 @@ Reserve = Callable[[ChunkKey], Target | None]
 Placed = Callable[[ChunkKey, int, memoryview], None]
 
 
+class Promoted(NamedTuple):
+    count: int  # consecutive chunks placed from the first (or there already)
+    read_bytes: int  # of those, the bytes read from a lower tier
+
+
 class HeldReads(Protocol):
     """What the reads need of the disk: objects opened ahead of their read (``DiskTier``)."""
 
@@ -56,10 +62,10 @@ class PromoteReads:
         self.tiers, self.disk, self.streams = list(tiers), disk, streams
         self._readers = ThreadPoolExecutor(streams, thread_name_prefix="kvdepot-read")
 
-    def run(self, keys: Sequence[ChunkKey], reserve: Reserve, held: list[int | None], placed: Placed) -> int:
+    def run(self, keys: Sequence[ChunkKey], reserve: Reserve, held: list[int | None], placed: Placed) -> Promoted:
         """Read ``keys`` into the targets ``reserve`` offers; ``held``: the disk's descriptors per
         key (``DiskTier.hold``), every one closed by the time this returns."""
-        count, nxt = 0, 0
+        count, nxt, read = 0, 0, 0
         stopped = failed = False  # stopped: reserve nothing more; failed: count nothing more
         reading: deque[tuple[ChunkKey, memoryview | None, Done, Future[int | None] | None]] = deque()
         try:
@@ -79,7 +85,7 @@ class PromoteReads:
                         reading.append((keys[nxt], view, done, self._readers.submit(self.read_into, keys[nxt], view, fd)))
                     nxt += 1
                 if not reading:
-                    return count
+                    return Promoted(count, read)
                 key, view, done, future = reading.popleft()
                 level = _outcome(key, future)
                 if level and view is not None:
@@ -88,6 +94,7 @@ class PromoteReads:
                 failed = failed or (view is not None and level is None)
                 stopped = stopped or failed
                 count += not failed
+                read += 0 if failed or view is None else view.nbytes
         finally:
             for key, view, done, future in reading:  # only after an exception: finish every target
                 done(view is None or _outcome(key, future) is not None)  # once its read is over
