@@ -92,6 +92,14 @@ class DepotConfig:
         "requests. The old value async means load.",
         choices=("load", "prefetch"),
     )
+    lower_tier_gate: bool = _key(
+        True,
+        "With lower_tier_hits: load, promise a hit's disk/Redis part only when reading it is expected "
+        "to be faster than recomputing it: the lower tiers' read rate (finished promotions) against the "
+        "engine's prefill rate (the steps the connector sees), both measured at run time; until both are, "
+        "and with false, it is always promised. A part not promised is still promoted, for later requests "
+        "(docs/tiers.md).",
+    )
 
     kv_events_endpoint: str | None = _key(
         None,

@@ -14,7 +14,8 @@ TensorRT-LLM parks the request while the probe's promotion reads the rest into h
 under the request's lease, and the worker reports it through ``get_finished`` once loaded. A
 promise that still comes up short fails that request with an error, never wrong KV (worker.py,
 docs/tiers.md). With ``prefetch`` only the host part is promised; the rest is promoted for later
-requests.
+requests — and so it is with ``load`` when recomputing is expected to be faster than the read
+(``load_gate.py``, config ``lower_tier_gate``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvdepot.engine_api import Engine, Lease
+from kvdepot.integrations.load_gate import LoadGate
 from kvdepot.integrations.planner import DeltaPlanner, SentState
 from kvdepot.integrations.tensorrt_llm.api import KvCacheConnectorScheduler, SchedulerOutput
 from kvdepot.integrations.tensorrt_llm.metadata import KvDepotMetadata, RequestMeta
@@ -53,6 +55,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         self._tp_size = setup.tp_size
         self._requests: dict[int, _SchedRequest] = {}
         self._planner = DeltaPlanner(self._block)
+        self._gate = LoadGate(setup.config.lower_tier_gate, 4 * setup.config.chunk_size)
         self._finished: list[int] = []
         self._warned_tp = False
 
@@ -69,7 +72,9 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         state = _SchedRequest(getattr(request, "prompt_len", len(tokens)), engine.chunk_keys(tokens), tokens=tokens)
         self._requests[rid] = state
         hit = engine.probe(state.keys, skip_tokens=num_computed_tokens, lease=Lease(rid))
-        usable = hit.tokens if engine.config.lower_tier_hits == "load" else hit.host_tokens
+        load = engine.config.lower_tier_hits == "load" and self._gate.worth_loading(
+            hit.tokens - hit.host_tokens, hit.read_tokens_per_s)  # else the promotion is a prefetch
+        usable = hit.tokens if load else hit.host_tokens
         # Leave at least one prompt token to compute (TensorRT-LLM checks prepopulated < prompt_len).
         limit = (state.prompt_len - 1) // self._block * self._block
         matched = max(0, min(usable, limit) - num_computed_tokens) // self._block * self._block
@@ -79,8 +84,8 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         else:
             engine.release(Lease(rid))
         logger.info(
-            "lookup req=%s trt_matched=%d cached=%d new_matched=%d%s", rid, num_computed_tokens, hit.tokens,
-            matched, " async" if state.load_async else "",
+            "lookup req=%s trt_matched=%d cached=%d new_matched=%d%s%s", rid, num_computed_tokens, hit.tokens,
+            matched, " async" if state.load_async else "", "" if load or not hit.pending else " (recompute is faster)",
         )
         return matched, state.load_async
 
@@ -102,6 +107,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
                                lease_token=self._provider.lease_token(),
                                new_request_ids=[d.request_id for d in scheduler_output.new_requests])
         self._finished = []
+        self._gate.step(sum(d.num_scheduled_tokens for d in (*scheduler_output.new_requests, *scheduler_output.cached_requests)))
         engine = self._provider.current()
         if engine is None:
             return meta
