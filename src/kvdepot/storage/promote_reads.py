@@ -88,9 +88,11 @@ class PromoteReads:
                     return Promoted(count, read)
                 key, view, done, future = reading.popleft()
                 level = _outcome(key, future)
-                if level and view is not None:
-                    placed(key, level, view)
-                done(view is None or level is not None)
+                try:
+                    if level and view is not None:
+                        placed(key, level, view)
+                finally:
+                    done(view is None or level is not None)
                 failed = failed or (view is not None and level is None)
                 stopped = stopped or failed
                 count += not failed
