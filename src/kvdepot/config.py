@@ -67,8 +67,9 @@ class DepotConfig:
     remote_ttl_s: float | None = _key(None, "Expire Redis values after this many seconds; unset keeps them until Redis evicts.", minimum=0.001)
     remote_cluster: bool = _key(False, "remote_url names one seed node of a Redis Cluster / Valkey cluster (redis:// or rediss://), served through redis-py's cluster client; run it with cluster-require-full-coverage no, so a dead master costs only its slots.")
     remote_secret: str | None = _key(None, "Shared secret of the Redis tier: values carry a keyed BLAKE3 tag derived from it, and a value whose tag fails (forged, or written without the secret) is a miss, counted. Every node of a deployment needs the same secret; unset = checksummed values only.", secret=True)
-    write_queue_depth: int = _key(4096, "Most write-behind jobs waiting for lower tiers; more are dropped and counted. A job is a chunk's key: its bytes are read from host memory when written (counted gone if evicted by then), so depth costs no memory; copies promoted from Redis to disk hold their bytes, and at most 32 of those wait.", minimum=1)
-    promote_to_disk: bool = _key(True, "Copy chunks promoted from Redis to disk too.")
+    write_queue_depth: int = _key(4096, "Most write-behind jobs waiting for lower tiers; more are dropped and counted. A job is a chunk's key: its bytes are read from host memory when written (counted gone if evicted by then), so depth costs no memory (so are copies of chunks promoted from Redis to disk).", minimum=1)
+    promote_to_disk: bool = _key(True, "Copy chunks promoted from Redis to disk too (a lazy write-behind job: read back from its host slot when written).")
+    promote_streams: int = _key(4, "Chunks read at once when a lower-tier hit is promoted into host memory (each on its own thread and Redis connection): one stream leaves the checksum and the per-read round trip unoverlapped, and several streams spread over a Redis Cluster's masters.", minimum=1)
     server_curve_dir: str | None = _key(None, "Directory of the CURVE keys written by `kvdepot keys DIR`: a tcp:// server admits only the clients whose public keys are in it, and its clients encrypt with them (the server reads server.key_secret and authorized_clients/, clients server.key and client.key_secret); ipc:// does not use it.")
     server_timeout_s: float = _key(2.0, "Multi-process mode: every client call to the server gives up after this many seconds (then: no hit, store skipped).", minimum=0.001)
     session_timeout_s: float = _key(30.0, "Server: close a silent client's session (its leases, mapped pool) after this many seconds.", minimum=0.1)
@@ -97,6 +98,14 @@ class DepotConfig:
         "read into host memory before it promises what has arrived (1.2 cannot take back a promise "
         "that then fails, so it promises only bytes already read); 0 = never wait.",
         minimum=0,
+    )
+    lower_tier_gate: bool = _key(
+        True,
+        "With lower_tier_hits: load, promise a hit's disk/Redis part only when reading it is expected "
+        "to be faster than recomputing it: the lower tiers' read rate (finished promotions) against the "
+        "engine's prefill rate (the steps the connector sees), both measured at run time; until both are, "
+        "and with false, it is always promised. A part not promised is still promoted, for later requests "
+        "(docs/tiers.md).",
     )
 
     kv_events_endpoint: str | None = _key(

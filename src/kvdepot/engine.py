@@ -108,6 +108,8 @@ class CacheEngine(PoolsOwner):
             self.mover: BlockMover = mover or _pick_mover(self.config.transfer_mover, layout)
             self.lower = TierManager.from_config(self.config, self.hasher.seed, self.events) if (
                 self.config.disk_path or self.config.remote_url) else None
+            if self.lower is not None:  # promoted chunks go down to disk as lazy jobs, read from their slots
+                self.lower.copy_from_host(self._provider)
         except BaseException:
             if self._own_events is not None:
                 self._own_events.close()
@@ -204,7 +206,9 @@ class CacheEngine(PoolsOwner):
         with self._lock:
             self._stats.hits += more
             self._stats.misses += found + more < len(wanted)
-        return Hit((first + found + more) * size, (first + found) * size)
+        rate = self.lower.read_rate() if more and self.lower is not None else None
+        per_token = self.layout.chunk_bytes / size
+        return Hit((first + found + more) * size, (first + found) * size, None if rate is None else rate / per_token)
 
     def try_probe(self, keys: Sequence[ChunkKey], *, skip_tokens: int = 0, lease: Lease | None = None) -> Hit | None:
         """``probe`` if it cannot block — no lower tier (its lookups do I/O) and the engine's lock

@@ -97,6 +97,9 @@ class Hit:
 
     tokens: int  # end of the cached run, in tokens from position 0 (host and lower tiers)
     host_tokens: int  # end of the part already in host memory
+    # how fast the lower tiers have been read into host memory, in tokens per second (finished
+    # promotions, measured by the engine); None when not measured yet, or not reported (server mode)
+    read_tokens_per_s: float | None = None
 
     @property
     def pending(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvdepot.bench.ttft import add_arguments, run
+from kvdepot.config import DepotConfig
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,19 +67,26 @@ def test_layers_ahead_reaches_the_engine_as_a_parameter(tmp_path):
     assert all(r["tokens loaded"] == 224 for r in rows)
 
 
-def test_first_redis_mode_serves_a_fresh_engines_first_request(redis_server):
+@pytest.mark.parametrize("cluster", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["server", "cluster"])
+def test_first_redis_mode_serves_a_fresh_engines_first_request(redis_server, cluster: bool):
     """The first-redis rows: a fresh engine's first request of each prompt is served from Redis
-    (parked, then loaded), exact. The bench starts its own redis-server (the fixture's binary)."""
+    (parked, then loaded), exact. The bench starts its own redis-server (the fixture's binary), or
+    a 3-master cluster with --redis-cluster."""
     import argparse
+    import shutil
 
     from redis_server import REDIS_SERVER
 
+    if cluster and shutil.which("redis-cli") is None:
+        pytest.skip("redis-cli not found: apt-get install redis-server (brings redis-tools)")
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--device", "cpu", "--model", "tiny", "--lengths", "600", "--miss-prompts", "1",
                               "--miss-length", "64", "--decode-tokens", "2", "--modes", "first-redis",
-                              "--first-prompts", "2", "--redis-server", REDIS_SERVER])
+                              "--first-prompts", "2", "--redis-server", REDIS_SERVER, *(["--redis-cluster"] * cluster)])
     (row,) = run(args)["first_hits"]
     assert (row["prompt"], row["prompts"], row["tokens loaded"], row["errors"], row["leases live"]) == (600, 2, 512, 0, 0)
     assert row["async load"] and row["tokens==recompute"]
+    assert row["redis"] == ("3-master cluster" if cluster else "1 server") and row["streams"] == DepotConfig().promote_streams
+    assert row["loaded"] == 2 and row["gate"] == "unmeasured"
     assert row["hit/recompute"] == row["first hit ms"] / row["recompute ms"]

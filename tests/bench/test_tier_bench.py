@@ -19,12 +19,14 @@ if TYPE_CHECKING:
 
 needs_redis = pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server binary not found")
 DISK_OPS = ["put / write", "get_into / read", "get, new memory / read", "put, bytes / write"]
+REDIS_OPS = ["put / SET", "get / GET", "get_into / recv_into", "get_into x2 / recv_into x2", "get_into x3 / recv_into x3",
+             "promote / recv_into x3"]  # with --streams 3,2
 
 
 def bench_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     tiers.add_arguments(parser)
-    return parser.parse_args(["--chunk-mib", "0.25", "--chunks", "2", "--reps", "1", *argv])
+    return parser.parse_args(["--chunk-mib", "0.25", "--chunks", "2", "--reps", "1", "--streams", "3,2", *argv])
 
 
 def kvdepot_env() -> dict[str, str]:
@@ -41,12 +43,13 @@ def test_all_parts_start_and_stop_their_own_redis(tmp_path: Path, monkeypatch: p
     rows = tiers.run(bench_args("--disk-path", str(tmp_path), "--model", "tiny", "--prompt-tokens", "200", "--prompts", "2"))
     out = capsys.readouterr().out
     assert "kvdepot bench tiers" in out and "TTFT" in out
-    assert [(r["tier"], r["op"]) for r in rows[:6]] == [("disk", op) for op in DISK_OPS] + [
-        ("redis", "put / SET"), ("redis", "get / GET")]
-    for row in rows[:6]:
+    io = len(DISK_OPS) + len(REDIS_OPS)
+    assert [(r["tier"], r["op"]) for r in rows[:io]] == [("disk", op) for op in DISK_OPS] + [("redis", op) for op in REDIS_OPS]
+    for row in rows[:io]:
         assert row["tier GB/s"] > 0 and row["raw GB/s"] > 0
         assert row["ratio"] == pytest.approx(row["tier GB/s"] / row["raw GB/s"])
-    phases = {r["phase"]: r for r in rows[6:]}
+    assert [r["streams"] for r in rows[len(DISK_OPS):io]] == [1, 1, 1, 2, 3, 3]
+    phases = {r["phase"]: r for r in rows[io:]}
     assert list(phases) == ["recompute", "host-memory hit", "disk hit", "redis hit"]
     for name in ("host-memory hit", "disk hit", "redis hit"):
         assert phases[name]["tokens loaded"] == 192 and phases[name]["tokens==recompute"]  # 3 chunks of 64
@@ -70,7 +73,7 @@ def test_disk_part_with_an_unaligned_chunk(tmp_path: Path, o_direct: str, capsys
 
 def test_redis_part_on_a_given_server_leaves_no_keys(redis_server: RedisServer) -> None:
     rows = tiers.run(bench_args("--parts", "redis", "--remote-url", redis_server.url))
-    assert [r["op"] for r in rows] == ["put / SET", "get / GET"]
+    assert [r["op"] for r in rows] == REDIS_OPS
     assert redis_server.client().dbsize() == 0
 
 

@@ -93,6 +93,10 @@ def test_a_dead_master_costs_its_slots_only_and_hits_resume(
         logged = [r.getMessage() for r in caplog.records]
         assert [g is None for g in got] == lost, logged  # misses exactly for the dead master's slots
         assert all(g == payload(i) for i, g in enumerate(got) if not lost[i])  # hits, bit-exact, elsewhere
+        into = [bytearray(len(payload(0))) for _ in keys]  # the promotions' path: the same answers
+        found = [timed(lambda k=k, out=out: tier.get_into(k, out)) for k, out in zip(keys, into, strict=True)]
+        assert [n is None for n in found] == lost
+        assert all(out == payload(i) for i, out in enumerate(into) if not lost[i])
         assert timed(lambda: tier.contains_many(keys)) == [not x for x in lost]
         assert tier.put(key(999), payload(999)) is (cluster.node_of(tier.redis_key(key(999))) is not victim)
         time.sleep(0.25)
@@ -134,3 +138,22 @@ def test_config_builds_a_cluster_tier_with_tags(cluster: RedisClusterServers) ->
         assert remote.get(key(500)) == payload(500)
     finally:
         manager.close()
+
+
+def test_get_into_after_slots_moved_is_a_miss_then_hits(cluster: RedisClusterServers) -> None:
+    """A stale slot map sends the GET to a node that answers -MOVED: a miss (read outside
+    redis-py, which would have followed it), the slot map re-read, and the next read hits."""
+    tier = RedisTier(cluster.url, NS, cluster=True, timeout_s=TIMEOUT_S)
+    assert tier.put(key(700), payload(700))
+    client = tier._connected()
+    name = tier.redis_key(key(700))
+    slot, owner = client.keyslot(name), client.get_node_from_key(name)
+    other = next(n for n in client.get_primaries() if n.name != owner.name)
+    client.nodes_manager.slots_cache[slot] = [other]  # as if the slot had moved away from `other`
+    out = bytearray(len(payload(700)))
+    assert tier.get_into(key(700), out) is None
+    assert client.get_node_from_key(name).name == owner.name  # the map was read again
+    assert tier.get_into(key(700), out) == len(out) and out == payload(700)
+    s = tier.stats()
+    assert (s.hits, s.misses, s.errors, s.unavailable) == (1, 1, 1, 0)
+    tier.close()

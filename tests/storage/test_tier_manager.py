@@ -100,21 +100,27 @@ def make(disk: DiskTier) -> Iterator[Callable[..., TierManager]]:
 
 class Sink:
     """Promotion targets in plain memory: ``got`` = (key, bytes) committed, ``freed`` = keys whose
-    read failed; refuses the target after ``refuse_at`` commits; ``present`` keys are there already."""
+    read failed; refuses the target after ``refuse_at`` reservations (reads run several at once:
+    reservations run ahead of commits); ``present`` keys are there already. Every target must be
+    finished exactly once (``finished`` counts the calls per key)."""
 
     def __init__(self, refuse_at: int | None = None, size: int = 512, present: Sequence[ChunkKey] = ()) -> None:
         self.got: list[tuple[ChunkKey, bytes]] = []
         self.freed: list[ChunkKey] = []
+        self.reserved = 0
+        self.finished: dict[ChunkKey, int] = {}
         self.refuse_at, self.size, self.present = refuse_at, size, set(present)
 
     def __call__(self, key: ChunkKey) -> tuple[memoryview | None, Callable[[bool], None]] | None:
-        if self.refuse_at is not None and len(self.got) == self.refuse_at:
+        if self.refuse_at is not None and self.reserved == self.refuse_at:
             return None
+        self.reserved += 1
         if key in self.present:
             return None, lambda ok: None
         buf = bytearray(self.size)
 
         def done(ok: bool) -> None:
+            self.finished[key] = self.finished.get(key, 0) + 1
             if ok:
                 self.got.append((key, bytes(buf)))
             else:
@@ -313,12 +319,12 @@ def test_copies_that_hold_their_payload_have_their_own_small_bound(make: Callabl
 
     assert manager.write_behind(key(0), first)
     assert taken.wait(5)  # the writer is stuck in job 0's gated put
-    held = [manager._enqueue(key(i), functools.partial(payload, i), (remote,), internal=True) for i in (1, 2, 3)]
+    held = [manager._enqueue(key(i), functools.partial(payload, i), (remote,), internal=True, holds=True) for i in (1, 2, 3)]
     assert held == [True, True, False]
     assert manager.write_behind(key(4), functools.partial(payload, 4))  # a lazy job is not held back
     remote.gate.set()
     verify_written(manager, written=4, dropped=1)
-    assert manager._enqueue(key(5), functools.partial(payload, 5), (remote,), internal=True)  # the bound freed up
+    assert manager._enqueue(key(5), functools.partial(payload, 5), (remote,), internal=True, holds=True)  # the bound freed up
 
 
 def test_gone_chunks_and_bad_providers_are_counted(make: Callable[..., TierManager], disk: DiskTier) -> None:

@@ -2,8 +2,9 @@
 
 disk: DiskTier put/get_into of chunk-sized payloads from/into reused page-aligned buffers vs a ``dd``
 (os.pwrite/os.preadv of the same buffers, sizes and directory, the tier's O_DIRECT choice and fsync
-setting); also get (new memory per call) and put of ``bytes`` (unaligned), labelled. redis: RedisTier put/get vs redis-py SET/GET
-of the same sizes on the same server (started on a free loopback port unless --remote-url is given).
+setting); also get (new memory per call) and put of ``bytes`` (unaligned), labelled. redis (``tiers_redis.py``): RedisTier
+put/get vs redis-py SET/GET, and get_into / promote, one stream and several, vs the raw floor (RESP GET, ``recv_into``)
+of the same bytes on the same server (started on a free loopback port unless --remote-url is given).
 ttft: recompute vs hits from host memory, disk and Redis in the reference runtime; the lower-tier hits
 in fresh engines (empty host tier) with ``lower_tier_hits=load``. Tier and raw calls alternate chunk
 by chunk so a noisy neighbour's burst lands on both; GB/s come from the median time per chunk. Reads
@@ -30,8 +31,6 @@ from typing import Any
 
 import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from kvdepot.bench.common import median_seconds
 from kvdepot.bench.report import Bars, Report, add_output_arguments
@@ -59,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote-url", default=None, help="Redis URL (default: start a redis-server here); every key the "
                         "bench writes there is deleted when it ends")
     parser.add_argument("--redis-timeout", type=float, default=5.0, help="socket timeout of both Redis clients (s)")
+    parser.add_argument("--streams", default=f"2,{config.promote_streams}",
+                        help="redis: stream counts of the batch rows; the largest is the promote row's (default: 2 and "
+                             "config promote_streams)")
     parser.add_argument("--model", default="small", help="runtime preset or checkpoint dir (TTFT part)")
     parser.add_argument("--prompt-tokens", type=int, default=2100, help="prompt length of the TTFT part")
     parser.add_argument("--prompts", type=int, default=5, help="distinct prompts per TTFT phase")
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     payload = os.urandom(size)
     root = Path(tempfile.mkdtemp(prefix="kvdepot-bench-tiers-", dir=args.disk_path))
     server, url = None, args.remote_url
-    steps = (args.reps + 1) * (2 * ("disk" in parts) + ("redis" in parts)) + 4 * ("ttft" in parts)
+    redis_steps = 3 + len(set(args.streams.split(",")))  # put/get, get_into, each batch of streams, promote
+    steps = (args.reps + 1) * (2 * ("disk" in parts) + redis_steps * ("redis" in parts)) + 4 * ("ttft" in parts)
     report = Report(args, steps=steps, device=torch.device("cpu") if "ttft" in parts else None, name="bench tiers",
                     bars=Bars(("tier", "op"), ("tier GB/s", "raw GB/s"), "GB/s"))
     try:
@@ -82,11 +85,14 @@ def run(args: argparse.Namespace) -> list[dict]:
         if parts & {"disk", "redis"}:
             report.table(f"kvdepot bench tiers — {args.chunks} x {size / 2**20:g} MiB x {args.reps} reps; {root} on {_fs_type(root)}; "
                          f"load avg {os.getloadavg()[0]:.1f}; CPU ms per chunk: xxh3 {cost['xxh3']:.1f}, memcpy "
-                         f"{cost['memcpy']:.1f}, copy to fresh memory {cost['fresh']:.1f}", op=22, reads=25)
+                         f"{cost['memcpy']:.1f}, copy to fresh memory {cost['fresh']:.1f}", op=28, reads=25)
         if "disk" in parts:
             _disk(args, root, payload, cost, report)
         if "redis" in parts:
-            _redis(args, url, payload, cost, report)
+            # NOTE: imported here: tiers_redis imports this module's helpers
+            from kvdepot.bench.tiers_redis import redis_rows
+
+            redis_rows(args, url, payload, cost, report)
         if "ttft" in parts:
             report.table(f"TTFT — {args.model} on CPU ({args.threads or torch.get_num_threads()} threads), {args.prompt_tokens}"
                          f"-token prompts x {args.prompts}, load avg {os.getloadavg()[0]:.1f}; disk/redis hits: fresh "
@@ -250,30 +256,6 @@ def _start_redis(root: Path, size: int, chunks: int) -> tuple[subprocess.Popen, 
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"redis-server did not start on port {port}")
-
-
-def _redis(args: argparse.Namespace, url: str, payload: bytes, cost: dict[str, float], report: Report) -> list[dict]:
-    n, size, reps, tag = args.chunks, len(payload), range(args.reps + 1), uuid.uuid4().hex[:8]
-    tier = RedisTier(url, NS, timeout_s=args.redis_timeout, prefix=f"kvdepot-bench-{tag}")
-    raw = redis.Redis.from_url(url, socket_timeout=args.redis_timeout, socket_connect_timeout=args.redis_timeout,
-                               retry=Retry(NoBackoff(), 0))  # the tier's client settings
-    keys = {rep: [_key() for _ in range(n)] for rep in reps}
-    names = {rep: [f"kvdepot-bench-raw-{tag}:{rep}:{i}" for i in range(n)] for rep in reps}
-    hint = "(see the kvdepot log: maxmemory? proto-max-bulk-len?)"
-    ops: list[tuple[str, Op, Op, float]] = [  # the tier's extra: a checksum and a copy into fresh memory
-        ("put / SET", lambda r, i: _check(tier.put(keys[r][i], payload), f"redis put refused {hint}"),
-         lambda r, i: _check(raw.set(names[r][i], payload), "SET failed"), cost["xxh3"] + cost["fresh"]),
-        ("get / GET", lambda r, i: _check(tier.get(keys[r][i]) is not None, f"redis get missed {hint}"),
-         lambda r, i: _check(len(raw.get(names[r][i]) or b"") == size, "GET missed"), cost["xxh3"] + cost["fresh"]),
-    ]
-    try:
-        rows = _compare(args, size, ops, lambda rep: None, lambda rep: raw.delete(*names[rep], *map(tier.redis_key, keys[rep])),
-                        report, O_DIRECT=None, fsync=None, reads="redis-server memory")
-    finally:  # a failed run leaves nothing in the user's Redis either
-        raw.delete(*(n for rep in reps for n in names[rep]), *(tier.redis_key(k) for rep in reps for k in keys[rep]))
-        tier.close()
-        raw.close()
-    return [report.add({"tier": "redis", **row}) for row in rows]
 
 
 def _ttft(args: argparse.Namespace, disk_dir: Path, url: str | None, report: Report) -> list[dict]:

@@ -11,6 +11,12 @@ the recompute's. A warm-up prompt runs first in each engine (kernels, allocator,
 Redis: a ``redis-server`` started here on a free loopback port, persistence off: the binary named
 by ``--redis-server``, else the one on PATH (on a machine without it, carry Debian's package). Not
 a ``KVDEPOT_*`` variable: every such variable is a configuration key, and an unknown one an error.
+With ``--redis-cluster``: a 3-master Redis Cluster on loopback (``bench cluster``'s), the engines
+configured with ``remote_cluster``; each row says which, and how many chunks a promotion reads at
+once (config ``promote_streams``). The fresh engine's load gate (``lower_tier_gate``) has not seen
+a prefill by default (its warm-up is short), so every hit is loaded: the rows measure the load path.
+With ``--first-gate`` its warm-up is a full-length miss: from the second prompt on (once a
+promotion was measured too) the gate decides, and ``loaded`` counts the prompts it let load.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from unittest import mock
 
 
@@ -33,6 +40,28 @@ def add_first_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first-prompts", type=int, default=3, help="first-redis: prompts per length")
     parser.add_argument("--redis-server", default=None, metavar="PATH",
                         help="first-redis: the redis-server binary (default: the one on PATH)")
+    parser.add_argument("--first-gate", action="store_true",
+                        help="first-redis: the fresh engine computes a full-length prompt first, so its load gate "
+                             "(lower_tier_gate) has measured prefill and decides once a promotion has been measured "
+                             "too (default: a 512-token warm-up, the gate stays unmeasured, every hit is loaded)")
+    parser.add_argument("--redis-cluster", action="store_true",
+                        help="first-redis: a 3-master Redis Cluster on loopback instead of one server (redis-server "
+                             "and redis-cli on PATH); the promotions' streams spread over its masters")
+
+
+@contextmanager
+def redis_cluster() -> Iterator[str]:
+    """A throwaway 3-master Redis Cluster on loopback (``bench cluster``'s); its seed node's URL."""
+    from kvdepot.bench.cluster_redis import RedisCluster
+
+    workdir = tempfile.mkdtemp(prefix="kvdepot-bench-cluster-")
+    cluster = RedisCluster(Path(workdir))
+    try:
+        cluster.start()
+        yield cluster.url
+    finally:
+        cluster.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @contextmanager
@@ -74,10 +103,11 @@ def first_hit_rows(args: argparse.Namespace, lengths: list[int], engine: Callabl
     from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
 
     rows = []
-    with redis_server(args.redis_server) as url:
+    cluster = bool(args.redis_cluster)
+    with redis_cluster() if cluster else redis_server(args.redis_server) as url:
         for i, n in enumerate(lengths):
             kv_gb = 2.5 * (n + 64) * kv_bytes_per_token / 1e9  # the prompt and the warm-up, with room
-            env = {"KVDEPOT_REMOTE_URL": url, "KVDEPOT_LOWER_TIER_HITS": "load",
+            env = {"KVDEPOT_REMOTE_URL": url, "KVDEPOT_LOWER_TIER_HITS": "load", "KVDEPOT_REMOTE_CLUSTER": str(cluster).lower(),
                    "KVDEPOT_CACHE_SALT": f"bench-first-{uuid.uuid4().hex}", "KVDEPOT_HOST_CAPACITY_GB": f"{max(kv_gb, 0.05):.3f}"}
             with mock.patch.dict(os.environ, env):
                 results = []
@@ -86,11 +116,12 @@ def first_hit_rows(args: argparse.Namespace, lengths: list[int], engine: Callabl
                     eng = engine(args, n + 64, connected=True)
                     ready(None)
                     vocab = eng.model.config.vocab_size
-                    eng.generate([_prompt(min(512, n), 7 + len(results), vocab)], 1)  # warm-up (a miss)
+                    warm = n if args.first_gate and role == "reader" else min(512, n)
+                    eng.generate([_prompt(warm, 7 + len(results), vocab)], 1)  # warm-up (a miss)
                     results.append([eng.generate([_prompt(n, 600 + 10 * i + k, vocab)], 1)[0]
                                     for k in range(args.first_prompts)])
                     if role == "reader":
-                        stats = current_engine().stats()
+                        stats, streams = current_engine().stats(), current_engine().config.promote_streams
                     del eng
                     free()
                 destroy_engine()
@@ -98,9 +129,12 @@ def first_hit_rows(args: argparse.Namespace, lengths: list[int], engine: Callabl
             ms = [r.ttft_s * 1e3 for r in hit]
             base = statistics.median(r.ttft_s * 1e3 for r in miss)
             rows.append({
-                "mode": "first-redis", "prompt": n, "prompts": len(hit),
+                "mode": "first-redis", "redis": "3-master cluster" if cluster else "1 server", "streams": streams,
+                "prompt": n, "prompts": len(hit),
                 "recompute ms": base, "first hit ms": statistics.median(ms), "min": min(ms), "max": max(ms),
                 "hit/recompute": statistics.median(ms) / base,
+                "gate": "measured prefill" if args.first_gate else "unmeasured",
+                "loaded": sum(r.num_connector_matched_tokens > 0 for r in hit),
                 "tokens loaded": min(r.num_connector_matched_tokens for r in hit),
                 "async load": all(r.connector_async_load for r in hit),
                 "errors": sum(r.error is not None for r in hit),

@@ -38,6 +38,9 @@ Primitives:
     verify(header, payload) -> bool                     length and checksum of a payload
     decode(obj, namespace, key) -> memoryview | None    the verified payload of a whole object
     check(obj, namespace, key, tag_key) -> (payload, fault)  decode, saying why not: CORRUPT / FORGED
+    check_head(head, namespace, key, tag_key, size) -> (Header, fault)  ``check`` of the first
+                                                        bytes of an object of ``size`` bytes, before
+                                                        its payload is read (then ``verify`` it)
     tag_key(secret) -> bytes                            the 32-byte tag key of a secret
     verify_pieces(header, pieces) -> bool               verify a payload read in consecutive pieces
 """
@@ -179,16 +182,30 @@ def check(obj: Payload, namespace: bytes, key: ChunkKey, tag_key: bytes | None =
     ``tag_key`` is given and the object is ``key``'s by its header but untagged or its tag fails;
     ``CORRUPT`` for anything else (damage, another chunk's or namespace's object, garbage)."""
     view = memoryview(obj).cast("B")
-    parsed = _parse(view, namespace, key)
-    if parsed is None:
-        return None, CORRUPT
-    header, flags = parsed
-    if bool(flags & FLAG_KEYED) != (tag_key is not None):
-        return None, FORGED if tag_key is not None else CORRUPT  # no tag to check / none we can check
-    header = header._replace(tag_key=tag_key)
-    if view.nbytes != header.offset + header.length:
-        return None, FORGED if tag_key is not None else CORRUPT
+    header, fault = check_head(view, namespace, key, tag_key, view.nbytes)
+    if header is None:
+        return None, fault
     payload = view[header.offset :]
     if verify(header, payload):
         return payload, None
-    return None, FORGED if tag_key is not None else CORRUPT
+    return None, refusal(tag_key)
+
+
+def check_head(head: Payload, namespace: bytes, key: ChunkKey, tag_key: bytes | None, size: int) -> tuple[Header | None, str | None]:
+    """``check`` of an object's first bytes, before its payload is read: (its header, None) when
+    they are ``key``'s in ``namespace``, tagged exactly when ``tag_key`` is given, and the object's
+    ``size`` (all of it, header included) is the header's plus its payload's; else (None, why) as
+    ``check`` says. The payload must still pass ``verify``."""
+    parsed = _parse(memoryview(head).cast("B"), namespace, key)
+    if parsed is None:
+        return None, CORRUPT
+    header, flags = parsed
+    if bool(flags & FLAG_KEYED) != (tag_key is not None) or size != header.offset + header.length:
+        return None, refusal(tag_key)  # no tag to check / none we can check / a cut or padded object
+    return header._replace(tag_key=tag_key), None
+
+
+def refusal(tag_key: bytes | None) -> str:
+    """Why a value that names the right chunk was refused: a reader with a tag key cannot tell
+    damage from forgery (``FORGED``); one without calls it ``CORRUPT``."""
+    return FORGED if tag_key is not None else CORRUPT

@@ -10,16 +10,21 @@ Primitives (keys are ``ChunkKey``s; payloads are a chunk's exact bytes):
                                        (or already there). The disk's objects are opened in the
                                        call (``DiskTier.hold``): one evicted before its read is
                                        still read
+    copy_from_host(provider_of)        how to read a chunk back from host memory (promoted
+                                       chunks' copies to disk are then lazy jobs)
     write_behind(key, provider) -> bool  enqueue copies of a chunk committed to host memory;
                                        False when dropped (queue full, closed); never blocks
     note_hits(keys)                    chunks reused from host memory: sightings for admission
+    read_rate() -> float | None        bytes/s of finished promotions (None until measured)
     flush(); close()                   wait for queued writes; drain and join every thread
 
-Promotion reads into the caller's memory: a tier with ``get_into`` (the disk) reads and verifies
-the payload in place, so no fresh memory is faulted in per chunk; another (Redis) is read with
-``get`` and copied. A target is always finished with ``done(ok)``: ``ok`` only when a verified
-payload of exactly the target's length is in it, so a missing, corrupt or wrong-sized chunk frees
-the target and ends the promotion.
+Promotion reads into the caller's memory: every tier's ``get_into`` reads and verifies the payload
+in place (the disk from its held descriptor, Redis off the socket), so no fresh memory is faulted
+in per chunk. Up to ``streams`` chunks of a promotion are read at once (``promote_reads.py``),
+their targets finished in order. A target is always finished with ``done(ok)``, exactly once:
+``ok`` only when a verified payload of exactly the target's length is in it, so a missing,
+corrupt or wrong-sized chunk frees the target and ends the promotion (reads already under way
+finish into their targets and are not counted).
 
 Writes are lazy: ``provider()`` runs on the writer thread and returns the payload, or None when
 the chunk is gone from host memory by then (counted as ``gone``). The disk admits a chunk
@@ -27,10 +32,12 @@ according to ``admission`` (``ADMISSION``): "always", or "second_hit" = only onc
 seen twice (stored or hit), so one-off prompts do not cost disk bandwidth; a refused chunk's
 provider is remembered (bounded) and written when its second sighting comes. Redis, shared
 across nodes, takes every chunk. A chunk promoted from Redis is also copied to disk
-(``promote_to_disk``); such a copy holds its payload until written and has its own small bound
-(``held_depth``); a plain job is a key and a provider, so the queue can be deep (a depth of 32
-dropped all but the first 32 chunks of a long prompt: other nodes never saw the rest). Bounded time: ``find`` costs one in-memory disk check and one Redis pipeline,
-each Redis call has the tier's timeout, and an unavailable tier answers at once.
+(``promote_to_disk``): a lazy job too, read back from its host slot when written, once the owner
+said how (``copy_from_host``); without that, a copy holding its payload, with its own small bound
+(``held_depth``). A plain job is a key and a provider, so the queue can be deep (a depth of 32
+dropped all but the first 32 chunks of a long prompt: other nodes never saw the rest). Bounded
+time: ``find`` costs one in-memory disk check and one Redis pipeline, each Redis call has the
+tier's timeout, and an unavailable tier answers at once.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,16 +60,14 @@ from kvdepot.storage.admission import ADMISSION
 from kvdepot.storage.base import Tier, TierStats
 from kvdepot.storage.codec import Payload
 from kvdepot.storage.disk import DiskTier
+from kvdepot.storage.promote_reads import PromoteReads, Reserve
+from kvdepot.storage.promote_reads import Target as Target
+from kvdepot.storage.rate import Rate
 from kvdepot.storage.redis_tier import RedisTier
 
 logger = logging.getLogger("kvdepot")
 
 Provider = Callable[[], Payload | None]
-Done = Callable[[bool], None]
-# ``reserve(key)``: None = refused (stop); (view, done) = read the chunk into the writable
-# ``view`` (exactly one chunk long), then call ``done(ok)``; (None, done) = already there.
-Target = tuple[memoryview | None, Done]
-Reserve = Callable[[ChunkKey], Target | None]
 
 
 class LowerTier(Tier, Protocol):
@@ -115,12 +121,15 @@ class TierManager:
         held_depth: int = 32,
         writers: int = 1,
         promoters: int = 2,
+        streams: int = 4,
         promote_to_disk: bool = True,
     ) -> None:
         if admission not in ADMISSION:
             raise ConfigError(f"admission {admission!r} is not one of {sorted(ADMISSION)}")
-        if queue_depth < 1 or held_depth < 1 or writers < 1 or promoters < 1:
-            raise ConfigError(f"queue_depth, held_depth, writers, promoters must be >= 1: {queue_depth, held_depth, writers, promoters}")
+        if min(queue_depth, held_depth, writers, promoters, streams) < 1:
+            raise ConfigError("queue_depth, held_depth, writers, promoters, streams must be >= 1: "
+                              f"{queue_depth, held_depth, writers, promoters, streams}")
+        self._from_host: Callable[[ChunkKey], Provider] | None = None  # copy_from_host
         self._held_depth, self._held = held_depth, 0  # queued copies that hold their payload
         self.disk, self.remote = disk, remote
         self.tiers: list[LowerTier] = [t for t in (disk, remote) if t is not None]
@@ -133,6 +142,8 @@ class TierManager:
         self._stopped = False  # refuse internal work too (promote copies)
         self._queue: queue.Queue[tuple[ChunkKey, Provider, tuple[LowerTier, ...], bool] | None] = queue.Queue(queue_depth)
         self._pool = ThreadPoolExecutor(promoters, thread_name_prefix="kvdepot-promote")
+        self._reads = PromoteReads(self.tiers, disk, streams)  # reader threads, shared by every promotion
+        self._read_rate = Rate()
         self._writers = [
             threading.Thread(target=self._write_loop, name=f"kvdepot-writer-{i}", daemon=True)
             for i in range(writers if self.tiers else 0)  # no lower tier: no threads
@@ -162,8 +173,15 @@ class TierManager:
             )
         return cls(
             disk, remote, admission=config.disk_admission, queue_depth=config.write_queue_depth,
-            promote_to_disk=config.promote_to_disk,
+            streams=config.promote_streams, promote_to_disk=config.promote_to_disk,
         )
+
+    def copy_from_host(self, provider_of: Callable[[ChunkKey], Provider]) -> None:
+        """How to read a chunk back from host memory (the owner's write-behind provider): copies
+        of promoted chunks into higher tiers (Redis -> disk) are then lazy jobs like any other,
+        read from the host slot when written (gone if evicted by then), not bytes held in the
+        queue. Set once, before promotions start."""
+        self._from_host = provider_of
 
     # ---- lookups and promotion -------------------------------------------------------------
     def find(self, keys: Sequence[ChunkKey]) -> int:
@@ -187,63 +205,33 @@ class TierManager:
         held = self.disk.hold(keys) if self.disk is not None else [None] * len(keys)
         with self._lock:
             if not self._closing:
-                return self._pool.submit(self._promote, keys, reserve, held)
+                return self._pool.submit(self._promote, keys, reserve, held, time.monotonic())
         if self.disk is not None:
             self.disk.let_go(held)
         done: Future[int] = Future()
         done.set_result(0)
         return done
 
-    def _promote(self, keys: list[ChunkKey], reserve: Reserve, held: list[int | None]) -> int:
-        count = 0
-        try:
-            for i, key in enumerate(keys):
-                target = reserve(key)
-                if target is None:
-                    break
-                view, done = target
-                view = None if view is None else memoryview(view).cast("B")
-                found, fd, held[i] = None, held[i], None
-                try:
-                    if view is not None:
-                        taken, fd = fd, None  # _read_into closes it
-                        found = self._read_into(key, view, taken)
-                finally:
-                    done(view is None or found is not None)  # frees the target on any failure
-                    if fd is not None and self.disk is not None:
-                        self.disk.let_go([fd])
-                if view is not None and found is None:
-                    break
-                count += 1
-                if found is not None and found[0] and self.promote_to_disk:
-                    level, payload = found
-                    self._enqueue(key, _held(payload), tuple(self.tiers[:level]), internal=True)
-        finally:
-            if self.disk is not None:
-                self.disk.let_go(held)  # the chunks after a miss, a refusal or an error
+    def _promote(self, keys: list[ChunkKey], reserve: Reserve, held: list[int | None], asked: float | None = None) -> int:
+        placed = self._copy_down if self.promote_to_disk else _nowhere
+        count, read_bytes = self._reads.run(keys, reserve, held, placed)
+        if asked is not None:  # from the call: a promotion's wait behind others is part of its cost
+            self._read_rate.add(read_bytes, time.monotonic() - asked)
         with self._lock:
             self._stats.promoted += count
         return count
 
-    def _read_into(self, key: ChunkKey, view: memoryview, held: int | None = None) -> tuple[int, Payload] | None:
-        """(level of the tier read, payload for copies to higher tiers) once ``view`` holds
-        ``key``'s verified payload of exactly ``view``'s length; None if no tier has it so (a
-        copy that is missing or fails its checksum: the next tier is tried). ``held``: the disk's
-        descriptor for ``key`` (``DiskTier.hold``), always closed."""
-        for level, tier in enumerate(self.tiers):
-            try:
-                if tier is self.disk:
-                    fd, held = held, None  # get_into closes it
-                    got = self.disk.get_into(key, view, held=fd)
-                else:
-                    got = tier.get_into(key, view)
-                if got == view.nbytes:
-                    return level, (bytes(view) if level else view)  # copies to higher tiers
-            except ValueError:  # longer than a chunk: not this engine's chunk
-                pass
-        if held is not None and self.disk is not None:
-            self.disk.let_go([held])
-        return None
+    def read_rate(self) -> float | None:
+        """Bytes per second of the promotions finished so far, from ``promote``'s call to the last
+        chunk placed (a recent-weighted ratio: ``rate.Rate``); None before one read anything."""
+        return self._read_rate.per_second
+
+    def _copy_down(self, key: ChunkKey, level: int, view: memoryview) -> None:
+        """Queue a copy of a chunk read from a lower tier into the tiers above it (Redis -> disk):
+        read back from host memory when the writer gets to it (``copy_from_host``), so nothing
+        is copied on the promotion's path; without that hook, a copy of its bytes held in the queue."""
+        provider = self._from_host(key) if self._from_host is not None else _held(bytes(view))
+        self._enqueue(key, provider, tuple(self.tiers[:level]), internal=True, holds=self._from_host is None)
 
     # ---- write-behind ----------------------------------------------------------------------
     def write_behind(self, key: ChunkKey, provider: Provider) -> bool:
@@ -282,13 +270,16 @@ class TierManager:
         if len(self._deferred) > _DEFER_MAX:
             self._deferred.popitem(last=False)
 
-    def _enqueue(self, key: ChunkKey, provider: Provider, targets: tuple[LowerTier, ...], *, internal: bool = False) -> bool:
+    def _enqueue(self, key: ChunkKey, provider: Provider, targets: tuple[LowerTier, ...], *, internal: bool = False,
+                 holds: bool = False) -> bool:
+        """``internal``: the manager's own copy (accepted while closing); ``holds``: it holds its
+        payload (bounded by ``held_depth``)."""
         with self._lock:
             try:
-                if self._stopped or (self._closing and not internal) or (internal and self._held >= self._held_depth):
+                if self._stopped or (self._closing and not internal) or (holds and self._held >= self._held_depth):
                     raise queue.Full
-                self._queue.put_nowait((key, provider, targets, internal))
-                self._held += internal
+                self._queue.put_nowait((key, provider, targets, holds))
+                self._held += holds
             except queue.Full:
                 self._stats.dropped += 1
                 for tier in targets:
@@ -349,6 +340,7 @@ class TierManager:
                 return
             self._closing = True
         self._pool.shutdown(wait=True, cancel_futures=not drain)
+        self._reads.close()  # idle now: every promotion waited for its reads
         with self._lock:
             self._stopped = True
         if not drain:
@@ -373,3 +365,7 @@ class TierManager:
 
 def _held(payload: bytes) -> Provider:
     return lambda: payload
+
+
+def _nowhere(key: ChunkKey, level: int, view: memoryview) -> None:
+    pass

@@ -3,8 +3,10 @@
 
 Why a module of its own: the tier's logic (one value per chunk, verification, outages as values)
 is the same for both; what differs is how a client is made, which node owns a key (a cluster's
-outages are per node: a dead master costs misses for its slots only) and how a batch of EXISTS is
-split so that no command spans slots (a pipeline per node, each command single-key).
+outages are per node: a dead master costs misses for its slots only), which connection pool
+reaches that node (reads into caller memory take a connection from it: ``redis_reply.py``), and
+how a batch of EXISTS is split so that no command spans slots (a pipeline per node, each command
+single-key).
 """
 
 from __future__ import annotations
@@ -73,6 +75,20 @@ def node_of(client: Any, cluster: bool, name: bytes) -> str:
         return str(client.get_node_from_key(name).name)
     except OUTAGE:
         return WHOLE
+
+
+def pool_of(client: Any, cluster: bool, name: bytes) -> Any:
+    """redis-py's connection pool of the node that serves ``name`` (may raise OUTAGE in a cluster
+    whose slot map must be read first)."""
+    if not cluster:
+        return client.connection_pool
+    return client.get_redis_connection(client.get_node_from_key(name)).connection_pool
+
+
+def refresh_slots(client: Any) -> None:
+    """Re-read a cluster's slot map (after a ``-MOVED`` reply to a GET read outside redis-py; may
+    raise OUTAGE). A whole ``CLUSTER SLOTS`` walk: MOVED means slots moved, which is rare."""
+    client.nodes_manager.initialize()
 
 
 def by_node(client: Any, cluster: bool, names: Sequence[bytes]) -> dict[str, list[int]]:

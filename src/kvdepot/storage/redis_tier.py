@@ -15,6 +15,13 @@
   and its keys hit again once it is back. Run the cluster with
   ``cluster-require-full-coverage no``, or the servers themselves refuse every key while one
   master is down.
+* **Reads into the caller's memory** (``get_into``, the promotions' path): GET is sent on a
+  connection of redis-py's pool for the key's node and its reply read off that connection's
+  socket (``redis_reply``): the value's 64-byte header into a small buffer, checked (namespace,
+  key, length, tag present) before the payload is read, then the payload with ``recv_into``
+  straight into the host slot and verified there. No new memory, no copy. Anything but a whole
+  value of this chunk that fits is a miss; a connection whose reply was not read to its end is
+  closed, never handed back to the pool.
 * **Bounded calls**: every socket operation has ``timeout_s``; redis-py's own retries are off.
 * **Outages are values**: a connection error or timeout marks the server (the node) down for
   ``retry_after_s``; meanwhile calls return at once (get -> None, contains -> False,
@@ -34,11 +41,11 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import redis
+from redis.exceptions import MovedError, ResponseError
 
 from kvdepot.events.base import NULL_SINK, EventSink, Medium
 from kvdepot.keys import ChunkKey
 from kvdepot.storage import codec
-from kvdepot.storage.base import CopyInto
 from kvdepot.storage.codec import Payload
 from kvdepot.storage.redis_client import (
     OUTAGE,
@@ -46,17 +53,21 @@ from kvdepot.storage.redis_client import (
     by_node,
     make_client,
     node_of,
+    pool_of,
     redact,
+    refresh_slots,
     url_problem,
 )
+from kvdepot.storage.redis_reply import BulkReply
 from kvdepot.storage.tier_stats import ByteTierStats
 
 logger = logging.getLogger("kvdepot")
 
 T = TypeVar("T")
+_LONGER = "longer"  # a value whose payload is longer than the caller's buffer: not this engine's chunk
 
 
-class RedisTier(CopyInto):
+class RedisTier:
     """Chunk objects of one namespace in a Redis-protocol server or cluster."""
 
     name = "redis"
@@ -225,28 +236,100 @@ class RedisTier(CopyInto):
         return present
 
     def get(self, key: ChunkKey) -> memoryview | None:
+        """The verified payload in new memory (redis-py's reply); the engine's path is ``get_into``."""
         name = self.redis_key(key)
         node = self._node(name)
         ok, value = self._call("GET", node, lambda c: c.get(name))
         payload, fault = (None, None) if not ok or value is None else codec.check(value, self.namespace, key, self._tag_key)
+        self._account(key, node, name, ok, None if payload is None else payload.nbytes, fault)
+        # NOTE: no copy: a verified view into the reply (a copy of 32 MiB measured ~35 ms here,
+        # mostly first-touch page faults).
+        return payload
+
+    def get_into(self, key: ChunkKey, out: Payload) -> int | None:
+        """The verified payload written straight into ``out`` (a host slot): its length, or None
+        on a miss, a corrupt or forged value, an outage or any reply that is not a value (an error,
+        ``-MOVED``/``-ASK``, nil); ``out`` then holds nothing usable. ValueError (a miss, the value
+        kept) when the payload is longer than ``out``. No new memory, no copy: the reply is read
+        off the connection's socket into ``out`` (``redis_reply``: redis-py cannot read a value
+        into a caller's buffer), then verified where it landed."""
+        target = memoryview(out).cast("B")
+        name = self.redis_key(key)
+        node = self._node(name)
+        ok, read = self._call("GET", node, lambda c: self._read_into(c, name, key, target))
+        length, fault = read if ok and read is not None else (None, None)
+        if fault == _LONGER:
+            self._account(key, node, name, ok, None, None, gone=False)
+            raise ValueError(f"chunk {key.hex()}: its Redis value is longer than the {target.nbytes}-byte buffer")
+        self._account(key, node, name, ok, length, fault)
+        return length
+
+    def _read_into(self, client: Any, name: bytes, key: ChunkKey, target: memoryview) -> tuple[int | None, str | None]:
+        """One GET on a connection of redis-py's pool, the value's header checked before its
+        payload is read into ``target``: (length, None), (None, None) for nil, (None, why) for a
+        value refused or too long. The connection goes back to the pool only when its reply was
+        read to the end; otherwise (a failure mid-reply, a value refused by its header) it is
+        closed: its stream's position is unknown, or not worth reading 32 MiB to restore."""
+        pool = pool_of(client, self.cluster, name)
+        conn = pool.get_connection()
+        in_step = False
+        try:
+            conn.send_command("GET", name)
+            reply = BulkReply(conn._sock)  # NOTE: redis-py's socket; its parser's buffer is empty between replies
+            try:
+                first = reply.head(codec.HEADER_BYTES)
+            except ResponseError as exc:
+                in_step = True  # the whole error line was read
+                if isinstance(exc, MovedError):
+                    self._refresh_slots(client)
+                raise
+            in_step = first is None
+            if first is None:
+                return None, None
+            size, head = first
+            header, fault = codec.check_head(head, self.namespace, key, self._tag_key, size)
+            if header is None:
+                return None, fault
+            if header.length > target.nbytes:
+                return None, _LONGER
+            payload = target[: header.length]
+            reply.rest_into(payload)
+            in_step = True
+        finally:
+            if not in_step:
+                conn.disconnect()
+            pool.release(conn)
+        if not codec.verify(header, payload):  # in place, after the connection went back
+            return None, codec.refusal(self._tag_key)
+        return header.length, None
+
+    def _refresh_slots(self, client: Any) -> None:
+        """A ``-MOVED`` reply: the slot map is stale; re-read it so the next read asks the right node."""
+        if self.cluster:
+            try:
+                refresh_slots(client)
+            except OUTAGE as exc:  # the next call meets (and reports) the outage itself
+                logger.debug("redis tier %s: slot map refresh failed (%s)", self.where, exc)
+
+    def _account(self, key: ChunkKey, node: str, name: bytes, ok: bool, length: int | None, fault: str | None,
+                 *, gone: bool = True) -> None:
+        """Counters of one read; a refused value is deleted (one log line), and a key the server
+        answered is not there (nil, refused) is reported gone to the events."""
         with self._lock:
-            if payload is not None:
+            if length is not None:
                 self._stats.hits += 1
-                self._stats.bytes_read += payload.nbytes
+                self._stats.bytes_read += length
             else:
                 self._stats.misses += 1
                 self._stats.corrupt += fault == codec.CORRUPT
                 self._stats.forged += fault == codec.FORGED
-        if payload is None:
-            if fault is not None:
-                logger.warning("redis tier %s: value of chunk %s refused (%s); deleted", self.where, key.hex(), fault)
-                self._call("DEL", node, lambda c: c.delete(name))
-            if ok:
-                self._events.removed(Medium.REDIS, (key,))
-            return None
-        # NOTE: no copy: a verified view into the reply (a copy of 32 MiB measured ~35 ms here,
-        # mostly first-touch page faults); the caller copies it once, into its host slot.
-        return payload
+        if length is not None:
+            return
+        if fault is not None:
+            logger.warning("redis tier %s: value of chunk %s refused (%s); deleted", self.where, key.hex(), fault)
+            self._call("DEL", node, lambda c: c.delete(name))
+        if ok and gone:
+            self._events.removed(Medium.REDIS, (key,))
 
     def put(self, key: ChunkKey, payload: Payload) -> bool:
         value = codec.encode(self.namespace, key, payload, self._tag_key)

@@ -18,8 +18,9 @@ is cancelled is stored the same way; docs/tensorrt-llm.md has the evidence). So 
 disk or in Redis, with ``lower_tier_hits: load`` (the default), makes the lookup wait — bounded
 by ``lower_tier_wait_s`` — while the probe's promotion reads it into host slots, then promises
 what arrived: a chunk gone, corrupt or unreachable before the promise is simply not promised (the
-engine recomputes it). With ``prefetch`` the lookup does not wait; the promotion serves later
-requests.
+engine recomputes it). The lookup does not wait where recomputing is expected to be faster than
+the read (``load_gate.py``, config ``lower_tier_gate``), nor with ``prefetch``: the promotion then
+serves later requests.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvdepot.engine_api import Engine, Lease
+from kvdepot.integrations.load_gate import LoadGate
 from kvdepot.integrations.planner import DeltaPlanner, SentState
 from kvdepot.integrations.tensorrt_llm.api import KvCacheConnectorScheduler, SchedulerOutput
 from kvdepot.integrations.tensorrt_llm.metadata import KvDepotMetadata, RequestMeta
@@ -58,6 +60,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         self._tp_size = setup.tp_size
         self._requests: dict[int, _SchedRequest] = {}
         self._planner = DeltaPlanner(self._block)
+        self._gate = LoadGate(setup.config.lower_tier_gate, 4 * setup.config.chunk_size)
         self._finished: list[int] = []
         self._warned_tp = False
 
@@ -74,9 +77,12 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         state = _SchedRequest(getattr(request, "prompt_len", len(tokens)), engine.chunk_keys(tokens), tokens=tokens)
         self._requests[rid] = state
         hit = engine.probe(state.keys, skip_tokens=num_computed_tokens, lease=Lease(rid))
-        waited = 0.0
+        waited, gated = 0.0, False
         if hit.pending and engine.config.lower_tier_hits == "load":
-            hit, waited = self._await_promotion(engine, state, num_computed_tokens, Lease(rid))
+            gated = not self._gate.worth_loading(hit.tokens - hit.host_tokens, hit.read_tokens_per_s)
+            if not gated:  # else the promotion is a prefetch: recomputing is expected to be faster
+                hit, waited = self._await_promotion(engine, state, num_computed_tokens, Lease(rid))
+                self._gate.exclude(waited)
         # Leave at least one prompt token to compute (TensorRT-LLM checks prepopulated < prompt_len).
         limit = (state.prompt_len - 1) // self._block * self._block
         matched = max(0, min(hit.host_tokens, limit) - num_computed_tokens) // self._block * self._block
@@ -84,8 +90,9 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
             state.load = (num_computed_tokens // self._block, matched // self._block)
         else:
             engine.release(Lease(rid))  # a promotion it started runs on as a prefetch
-        logger.info("lookup req=%s trt_matched=%d cached=%d new_matched=%d%s", rid, num_computed_tokens, hit.tokens,
-                    matched, f" (waited {waited * 1e3:.1f} ms for lower tiers)" if waited else "")
+        logger.info("lookup req=%s trt_matched=%d cached=%d new_matched=%d%s%s", rid, num_computed_tokens, hit.tokens,
+                    matched, f" (waited {waited * 1e3:.1f} ms for lower tiers)" if waited else "",
+                    " (recompute is faster)" if gated else "")
         return matched, False
 
     @staticmethod
@@ -124,6 +131,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         meta = KvDepotMetadata(finished=self._finished, lease_session=self._provider.session(),
                                lease_token=self._provider.lease_token())
         self._finished = []
+        self._gate.step(sum(d.num_scheduled_tokens for d in (*scheduler_output.new_requests, *scheduler_output.cached_requests)))
         engine = self._provider.current()
         if engine is None:
             return meta

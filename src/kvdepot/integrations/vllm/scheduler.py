@@ -24,7 +24,8 @@ vLLM 0.32 (``Scheduler._handle_invalid_blocks``) truncates the request at the fi
 recomputes from there — with ``kv_load_failure_policy: recompute``. Under vLLM's default
 ``fail`` it would fail the request instead, so there ``matched`` answers None (vLLM asks again
 next step) until the promotion is done and then promises only what is in host memory
-(``lower_tier_mode``).
+(``lower_tier_mode``). In both, a lower-tier part expected to be slower to read than to recompute
+is neither promised nor waited for (``load_gate.py``, config ``lower_tier_gate``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvdepot.engine_api import Engine, Lease
+from kvdepot.integrations.load_gate import LoadGate
 from kvdepot.integrations.planner import DeltaPlanner, SentState
 from kvdepot.integrations.vllm.metadata import KvDepotVllmMetadata, VllmRequestMeta
 from kvdepot.integrations.vllm.setup import Setup, logger
@@ -64,6 +66,7 @@ class Scheduler:
         self._hashers: dict[tuple[str, str, bytes], ChunkHasher] = {}
         self._loads = setup.loads
         self._planner = DeltaPlanner(self._block, saves=setup.saves)
+        self._gate = LoadGate(setup.config.lower_tier_gate, 4 * setup.config.chunk_size)
         self._disabled_reason = "unsupported KV cache groups" if setup.group is None else self._provider.why_off()
         if self._disabled_reason:
             logger.warning("kvdepot: %s; kvdepot is off (no lookups, no saves)", self._disabled_reason)
@@ -123,7 +126,10 @@ class Scheduler:
         started = time.perf_counter()
         hit = engine.probe(state.keys, skip_tokens=num_computed_tokens, lease=self._lease(rid))
         probe_ms = round((time.perf_counter() - started) * 1e3, 3)
-        if self._lower == "wait" and hit.pending and waiting is None:
+        # lower_tier_gate: a lower-tier part slower to read than to recompute is not waited for
+        worth = waiting is not None or not hit.pending or self._gate.worth_loading(
+            hit.tokens - hit.host_tokens, hit.read_tokens_per_s)
+        if self._lower == "wait" and hit.pending and waiting is None and worth:
             # kv_load_failure_policy: fail — promise only what is in host memory, once promoted.
             self._waiting[rid] = time.monotonic() + WAIT_PROMOTION_S
             self._setup.stats.write("lookup_wait", req=rid, tokens=len(tokens), vllm_matched=num_computed_tokens,
@@ -134,7 +140,7 @@ class Scheduler:
         # the background for later requests (prefetch). At least one token to compute: vLLM
         # needs one to produce the next token.
         limit = (len(tokens) - 1) // self._block * self._block
-        usable = (hit.tokens if self._lower == "async" else hit.host_tokens) if self._loads else 0
+        usable = (hit.tokens if self._lower == "async" and worth else hit.host_tokens) if self._loads else 0
         matched = max(0, min(usable, limit) - num_computed_tokens) // self._block * self._block
         state.load_async = num_computed_tokens + matched > hit.host_tokens
         if matched:
@@ -146,6 +152,7 @@ class Scheduler:
         self._setup.stats.write(
             "lookup", req=rid, tokens=len(tokens), vllm_matched=num_computed_tokens, cached=hit.tokens,
             host=hit.host_tokens, new_matched=matched, load_async=bool(matched and state.load_async), ms=probe_ms,
+            recompute_faster=not worth,
         )
         return matched, bool(matched and state.load_async)
 
@@ -175,6 +182,7 @@ class Scheduler:
             state = self._requests.get(rid)
             if state is not None:
                 state.forget()
+        self._gate.step(sum(scheduler_output.num_scheduled_tokens.values()))
         engine = self._engine()
         if engine is None:
             return meta
