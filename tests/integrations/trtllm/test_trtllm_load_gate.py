@@ -43,7 +43,7 @@ def test_a_hit_slower_to_read_than_to_recompute_is_prefetched_not_promised(enabl
     eng = engine(rig)
     gate = fast_recompute(eng)
     first = eng.generate([PROMPT_B], 4)[0]  # no promotion has finished yet: the read rate is unknown
-    assert rig.promised[0] == (HIT, True) and first.output_ids == computed["b"].output_ids
+    assert rig.promised[0] == (HIT, False) and first.output_ids == computed["b"].output_ids
     second = eng.generate([prompt_a()], 4)[0]  # now it is known, and slower than 10^9 tokens/s
     assert second.error is None and second.output_ids == computed["a"].output_ids
     if enabled:
@@ -54,7 +54,7 @@ def test_a_hit_slower_to_read_than_to_recompute_is_prefetched_not_promised(enabl
         keys = depot.chunk_keys(prompt_a())
         assert depot.probe(keys).host_tokens == HIT  # prefetched for later requests
     else:
-        assert rig.promised[1] == (HIT, True) and second.num_connector_matched_tokens == HIT
+        assert rig.promised[1] == (HIT, False) and second.num_connector_matched_tokens == HIT
         assert gate.refused == 0
     stats = current_engine().stats()
     assert stats.live_leases == 0 and stats.pinned_chunks == 0
