@@ -18,7 +18,9 @@ On CUDA, copies run on the engine's own store/load streams: a store waits for an
 caller's (forward) stream and never makes the forward stream wait; a load makes the caller's
 stream wait for it. Slots written by a store become visible to lookups once the copy completes;
 slots read by a load stay pinned until it completes. Lease timeouts run on the engine's
-``clock`` (monotonic seconds; tests pass a fake one).
+``clock`` (monotonic seconds; tests pass a fake one). Its side streams come from ``streams``
+(CUDA's; CPU benches and tests pass ``transfer.streams.ImmediateStreams`` to run the GPU's store
+issuer and side-stream paths on a CPU pool).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from kvdepot.storage.promotions import Promotions
 from kvdepot.transfer import MOVERS, cuda_batch
 from kvdepot.transfer.base import BlockMover, ChunkCopy
 from kvdepot.transfer.inflight import InflightTransfers
+from kvdepot.transfer.streams import CUDA, StreamKit
 
 __all__ = ["STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
 
@@ -78,6 +81,7 @@ class CacheEngine(LoadPath):
         namespace_fields: dict[str, Any] | None = None,
         events: EventSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        streams: StreamKit = CUDA,
     ) -> None:
         self.config = config or load_config()
         if self.config.chunk_size != layout.chunk_size:
@@ -115,7 +119,7 @@ class CacheEngine(LoadPath):
         self._lock = threading.RLock()
         self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s)
         self._pinner = ArenaPinner(self.host, self._lock)
-        self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead)
+        self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead, streams)
         self._views: list[torch.Tensor] = []
         self._tokens = itertools.count(1)  # names the pins of loads and write-behind reads
         self._stats = EngineStats()

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from kvdepot.transfer.layered import LAYERS_AHEAD, LayeredLoad
+from kvdepot.transfer.streams import CUDA, StreamKit
 
 logger = logging.getLogger("kvdepot")
 
@@ -65,9 +66,11 @@ class _Transfer:
 class InflightTransfers:
     """The engine's side streams, its store issuer and its FIFO of transfers, oldest first."""
 
-    def __init__(self, lock: AbstractContextManager[Any], layers_ahead: int = LAYERS_AHEAD) -> None:
+    def __init__(self, lock: AbstractContextManager[Any], layers_ahead: int = LAYERS_AHEAD,
+                 kit: StreamKit = CUDA) -> None:
         self._lock = lock  # the owner's: guards the FIFO and what the callbacks touch
         self.layers_ahead = layers_ahead  # config load_layers_ahead
+        self.kit = kit  # streams and events: CUDA's, or a CPU bench's or test's (``streams.py``)
         self.streams: tuple[Any, ...] | None = None  # None: CPU pool, copies run inline
         self.inflight: deque[_Transfer] = deque()
         self._tokens = itertools.count(1)
@@ -77,13 +80,10 @@ class InflightTransfers:
 
     def attach(self, device: torch.device) -> None:
         """Make the streams for a pool on ``device``. Call with the lock held and nothing in flight."""
-        if device.type == "cuda":
-            # Three distinct streams from torch's pool: store, load, and a spare used when the
-            # caller's own stream happens to be one of ours (torch hands pool streams out in
-            # rotation, so an engine's forward stream can alias a side stream).
-            self.streams = tuple(torch.cuda.Stream(device) for _ in range(3))
-        else:
-            self.streams = None
+        # Three distinct streams from torch's pool: store, load, and a spare used when the
+        # caller's own stream happens to be one of ours (torch hands pool streams out in
+        # rotation, so an engine's forward stream can alias a side stream).
+        self.streams = self.kit.streams(device, 3)
 
     def run(
         self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any, *, store: bool,
@@ -106,20 +106,20 @@ class InflightTransfers:
             with self._lock:
                 on_done()
             return None
-        caller = stream if stream is not None else torch.cuda.current_stream(self.streams[0].device)
+        caller = stream if stream is not None else self.kit.current(self.streams[0].device)
         side = self.side_stream(store, caller)
         with self._lock:
             transfer = _Transfer(next(self._tokens), on_done, on_fail or on_done)
             self.inflight.append(transfer)
         if store:
-            ready = torch.cuda.Event()
+            ready = self.kit.event()
             ready.record(caller)
             self._start_issuer()
             self._issues.put((transfer, copy, side, ready))
             return transfer.token
         try:
             side.wait_stream(caller)
-            with torch.cuda.stream(side):
+            with self.kit.use(side):
                 copy()
                 transfer.event = side.record_event()
         except BaseException:
@@ -233,7 +233,7 @@ class InflightTransfers:
         while (item := self._issues.get()) is not None:
             transfer, copy, side, ready = item
             try:
-                with torch.cuda.device(side.device), torch.cuda.stream(side):
+                with self.kit.use(side):
                     side.wait_event(ready)
                     copy()
                     transfer.event = side.record_event()
