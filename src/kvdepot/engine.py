@@ -48,6 +48,7 @@ from kvdepot.storage.promotions import Promotions
 from kvdepot.transfer import MOVERS, cuda_batch
 from kvdepot.transfer.base import BlockMover, ChunkCopy
 from kvdepot.transfer.inflight import InflightTransfers
+from kvdepot.transfer.plan import PoolViews
 from kvdepot.transfer.streams import CUDA, StreamKit
 
 __all__ = ["STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
@@ -120,7 +121,7 @@ class CacheEngine(LoadPath):
         self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s)
         self._pinner = ArenaPinner(self.host, self._lock)
         self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead, streams)
-        self._views: list[torch.Tensor] = []
+        self._views: PoolViews = PoolViews([])
         self._tokens = itertools.count(1)  # names the pins of loads and write-behind reads
         self._stats = EngineStats()
 
@@ -161,7 +162,7 @@ class CacheEngine(LoadPath):
         with self._lock:
             self.wait_all()
             self.layout = layout
-            self._views = list(views)
+            self._views = PoolViews(views)  # a new copy plan: the old pool's addresses go with it
             self._pinner.start_locked()
             self._transfers.attach(device)
 

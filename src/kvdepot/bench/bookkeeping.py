@@ -24,36 +24,29 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import ctypes
 import pstats
 import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvdepot.bench.report import Bars, Report, add_output_arguments
+from kvdepot.transfer.base import PerChunk
 
 MODELS = {"8b": (32, 8, 128), "1b": (16, 8, 64)}  # layers, KV heads, head dim (Llama-3-8B, Llama-3.2-1B)
 
 
-class NullMover:
+class NullMover(PerChunk):
     """A mover that copies nothing: the engine's bookkeeping is all that is left to time."""
-
-    copies_by_layer = False
-    refused = 0
 
     def gather(self, views: Sequence[Any], block_ids: Sequence[int], dst: Any, first: int = 0) -> None:
         pass
 
     def scatter(self, src: Any, views: Sequence[Any], block_ids: Sequence[int], first: int = 0) -> None:
-        pass
-
-    def gather_many(self, views: Sequence[Any], copies: Sequence[Any]) -> None:
-        pass
-
-    def scatter_many(self, copies: Sequence[Any], views: Sequence[Any]) -> None:
         pass
 
 
@@ -71,30 +64,48 @@ class Stamps:
         return max(leave for _, leave, d in self.calls if d == to_host)
 
 
-@contextlib.contextmanager
-def stubbed_driver(pool_range: list[int], stamps: Stamps) -> Iterator[Callable[[], Any]]:
-    """A batch mover whose driver call copies nothing and returns at once (stamped): everything
-    before and around it is the engine's and the mover's real host work. ``pool_range``: the
-    pool's [first, last) address, which tells a load's copies from a store's."""
-    from kvdepot.transfer import BatchBlockMover, cuda_batch
+class StubDriver:
+    """A batch driver whose call copies nothing: it stamps when it was entered and left, and
+    spends ``us_per_copy`` of host time per copy with the GIL released, as the real call does
+    (a ctypes call; ~1.3 us per copy on the H200's host, docs/benchmarks.md) — a thread waiting
+    for the GIL (a store's issuer) gets it meanwhile, as it would beside the real driver. The time
+    is spent in libc's memset, calibrated at start. ``pool``: the pool's [first, last) address,
+    which tells a load's copies from a store's."""
 
-    def call(dst: Any, src: Any, sizes: Any, stream: int) -> None:
+    def __init__(self, stamps: Stamps, us_per_copy: float) -> None:
+        self.stamps, self.pool = stamps, (0, 0)
+        self._memset = ctypes.CDLL(None).memset
+        self._memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        self._scratch = ctypes.create_string_buffer(1 << 24)
+        self._bytes_per_us = self._calibrate() if us_per_copy > 0 else 0.0
+        self.us_per_copy = us_per_copy
+
+    def _calibrate(self) -> float:
+        size, reps = 1 << 20, 50
+        best = min(self._time(size) for _ in range(reps))
+        return size / (best * 1e6)
+
+    def _time(self, nbytes: int) -> float:
+        t0 = time.perf_counter()
+        self._memset(self._scratch, 0, nbytes)
+        return time.perf_counter() - t0
+
+    def stream(self, views: Sequence[Any], copies: Sequence[Any]) -> Any:
+        return 7  # as if on a CUDA stream, with pinned buffers
+
+    def lane(self, stream: Any) -> Any:
+        return 8
+
+    def join(self, stream: Any, lane: Any) -> None:
+        pass
+
+    def copy(self, copies: Any, lo: int, hi: int, stream: Any) -> None:
         enter = time.perf_counter()
-        to_host = not pool_range[0] <= int(dst[0]) < pool_range[1]
-        with stamps.lock:
-            stamps.calls.append((enter, time.perf_counter(), to_host))
-
-    real = cuda_batch.memcpy_batch
-    cuda_batch.memcpy_batch = call
-    try:
-        def make() -> Any:
-            mover = BatchBlockMover()
-            mover._stream = lambda views, copies: 7  # as if on a CUDA stream with pinned buffers
-            return mover
-
-        yield make
-    finally:
-        cuda_batch.memcpy_batch = real
+        to_host = not self.pool[0] <= int(copies.dst[lo]) < self.pool[1]
+        if self._bytes_per_us:
+            self._memset(self._scratch, 0, min(len(self._scratch), int((hi - lo) * self.us_per_copy * self._bytes_per_us)))
+        with self.stamps.lock:
+            self.stamps.calls.append((enter, time.perf_counter(), to_host))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +115,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=256, help="blocks per operation (issue 19: 256)")
     parser.add_argument("--paths", default="bookkeeping,batch", help="bookkeeping (a mover that copies nothing), batch (the batch mover, driver call stubbed), comma-separated")
     parser.add_argument("--reps", type=int, default=200, help="timed operations of each kind")
+    parser.add_argument("--driver-us-per-copy", type=float, default=1.3,
+                        help="batch path: host time the stubbed driver call spends per copy, GIL released (H200 host: ~1.3)")
     parser.add_argument("--profile", action="store_true", help="also print cProfile's top 25 functions of each path and shape")
     add_output_arguments(parser)
 
@@ -253,15 +266,16 @@ def _measure(path: str, shape: tuple[int, int, int, int], args: argparse.Namespa
         return [(op, statistics.median(values), nan, nan) for op, values in times.items()]
     if path != "batch":
         raise SystemExit(f"unknown path {path!r}: expected bookkeeping or batch")
+    from kvdepot.transfer import BatchBlockMover
+
     stamps = Stamps()
-    pool_range = [0, 0]
-    with stubbed_driver(pool_range, stamps) as make:
-        rig = _build(*shape, args, make(), ImmediateStreams())
-        view = rig.engine._views[0]
-        pool_range[:] = [view.data_ptr(), view.data_ptr() + view.numel()]
-        with _profiling(profiler):
-            samples = _batch(rig, args.reps, stamps)
-        _check_idle(rig.engine)
+    driver = StubDriver(stamps, args.driver_us_per_copy)
+    rig = _build(*shape, args, BatchBlockMover(driver=driver), ImmediateStreams())
+    view = rig.engine._views[0]
+    driver.pool = (view.data_ptr(), view.data_ptr() + view.numel())
+    with _profiling(profiler):
+        samples = _batch(rig, args.reps, stamps)
+    _check_idle(rig.engine)
     return [(op, *(statistics.median(s[i] for s in values) for i in range(3))) for op, values in samples.items()]
 
 
