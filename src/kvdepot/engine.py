@@ -45,7 +45,7 @@ from kvdepot.storage.host import HostTier
 from kvdepot.storage.manager import TierManager
 from kvdepot.storage.pinner import ArenaPinner
 from kvdepot.storage.promotions import Promotions
-from kvdepot.transfer import MOVERS, cuda_batch
+from kvdepot.transfer import MOVERS, BatchBlockMover, cuda_batch
 from kvdepot.transfer.base import BlockMover, ChunkCopy
 from kvdepot.transfer.inflight import InflightTransfers
 from kvdepot.transfer.plan import PoolViews
@@ -110,7 +110,7 @@ class CacheEngine(LoadPath):
                                       layout.tokens_per_block)
         try:
             self.host = HostTier(capacity, layout.chunk_bytes, pin_memory=pin, clock=clock, events=self.events)
-            self.mover: BlockMover = mover or _pick_mover(self.config.transfer_mover, layout)
+            self.mover: BlockMover = mover or _pick_mover(self.config, layout)
             self.lower = TierManager.from_config(self.config, self.hasher.seed, self.events) if (
                 self.config.disk_path or self.config.remote_url) else None
         except BaseException:
@@ -120,7 +120,8 @@ class CacheEngine(LoadPath):
         self._lock = threading.RLock()
         self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s)
         self._pinner = ArenaPinner(self.host, self._lock)
-        self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead, streams)
+        self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead, streams,
+                                            int(self.config.store_head_mib * (1 << 20)))
         self._views: PoolViews = PoolViews([])
         self._tokens = itertools.count(1)  # names the pins of loads and write-behind reads
         self._stats = EngineStats()
@@ -263,29 +264,25 @@ class CacheEngine(LoadPath):
         with self._lock:
             self._transfers.poll_locked()
             slots = self.host.reserve_many(keys)
-            placed = [
-                (keys[c], slot, list(block_ids[c * bpc : (c + 1) * bpc]))
-                for c, slot in enumerate(slots)
-                if slot is not None
-            ]
+            placed = [c for c, slot in enumerate(slots) if slot is not None]
             self._stats.dropped_stores = self.host.stats().dropped
         if not placed:
             return StoreHandle(self._transfers, 0, None)
-
-        def copy() -> None:
-            self.mover.gather_many(self._views, [ChunkCopy(ids, slot) for _key, slot, ids in placed])
+        stored = [keys[c] for c in placed]
+        move = self.mover.prepare_gather(self._views, [ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slots[c])
+                                                       for c in placed])
 
         def commit() -> None:
-            for key, _slot, _ids in placed:
+            for key in stored:
                 self.host.commit(key, True)
                 if self.lower is not None:  # never blocks: a full queue drops and counts
                     self.lower.write_behind(key, self._provider(key))
 
         def rollback() -> None:
-            for key, _slot, _ids in placed:
+            for key in stored:
                 self.host.commit(key, False)
 
-        token = self._transfers.run(copy, commit, stream, store=True, on_fail=rollback)
+        token = self._transfers.store(move, commit, rollback, stream)
         with self._lock:
             self._stats.stored_chunks += len(placed)
             self._stats.bytes_stored += len(placed) * bpc * self.layout.bytes_per_block
@@ -370,12 +367,15 @@ def _own_publisher(config: DepotConfig) -> Any:
     return publisher_from_config(config)
 
 
-def _pick_mover(name: str, layout: PoolLayout) -> BlockMover:
+def _pick_mover(config: DepotConfig, layout: PoolLayout) -> BlockMover:
     """``auto``: the batch mover where the driver has its call, else by block size (the H200
     measurements in docs/perf-notes.md, run O)."""
+    name = config.transfer_mover
     if name == "auto":
         if cuda_batch.available():
             name = "batch"
         else:
             name = "runs" if layout.bytes_per_block >= STAGED_BELOW_BYTES else "staged"
+    if name == "batch":
+        return BatchBlockMover(lanes=config.transfer_lanes)
     return MOVERS[name]()

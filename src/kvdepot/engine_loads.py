@@ -127,7 +127,7 @@ class LoadPath:
             return skip_blocks * B, None
         self._promotions.settle(lease)  # a failed promotion is a shorter load, counted below
         pin = ("load", next(self._tokens))
-        plan: list[tuple[torch.Tensor, list[int], int]] = []
+        copies: list[ChunkCopy] = []
         with self._lock:
             self._transfers.poll_locked()
             first = skip_blocks // bpc
@@ -136,26 +136,26 @@ class LoadPath:
                 self.host.pin(pin, cached)  # one call for all: a call per chunk cost ~1 us each
             for c, key in enumerate(cached, first):
                 lo, hi = max(c * bpc, skip_blocks), min((c + 1) * bpc, end_block)  # this chunk's blocks to load
-                plan.append((self.host.slot(key), list(block_ids[lo:hi]), lo - c * bpc))
+                copies.append(ChunkCopy(block_ids[lo:hi], self.host.slot(key), lo - c * bpc))
             if lease is not None:
                 self.host.release(lease)
-        loaded_blocks = sum(len(ids) for _, ids, _ in plan)
+        # The chunks are consecutive from ``first``: they end at the last one's end (or ``end_block``).
+        loaded_blocks = min((first + len(copies)) * bpc, end_block) - skip_blocks if copies else 0
         if num_blocks is not None and loaded_blocks < end_block - skip_blocks:
             with self._lock:
                 self._stats.short_loads += 1
-        if not plan:
+        if not copies:
             self.release(pin)
             return skip_blocks * B, None
-        copies = [ChunkCopy(ids, slot, first) for slot, ids, first in plan]
         layered = None
         if by_layer:  # enqueued a few layers ahead of the forward as it waits (transfer/layered.py)
             layers = self.mover.scatter_layers(copies, self._views, self.layout.num_layers)
             layered = self._transfers.start_layered(layers, self.layout.num_layers, lambda: self.host.release(pin), stream)
         else:
-            self._transfers.run(lambda: self.mover.scatter_many(copies, self._views), lambda: self.host.release(pin),
-                                stream, store=False)
+            self._transfers.load(lambda: self.mover.scatter_many(copies, self._views), lambda: self.host.release(pin),
+                                 stream)
         with self._lock:
-            self._stats.loaded_chunks += len(plan)
+            self._stats.loaded_chunks += len(copies)
             self._stats.layered_loads += layered is not None
             self._stats.bytes_loaded += loaded_blocks * self.layout.bytes_per_block
             self._stats.load_seconds += time.perf_counter() - started

@@ -52,9 +52,10 @@ class Move(Protocol):
 
     ``head(max_bytes)`` enqueues up to about ``max_bytes`` of the first copies (maybe none: it
     stops as soon as ``rest`` has started) and never raises: a failure is kept for ``rest``.
-    ``rest()`` enqueues every copy not enqueued yet, waits for a ``head`` still running, and
+    ``rest()`` waits for a ``head`` still running, enqueues every copy not enqueued yet, and
     raises what either part could not enqueue. Both on the current stream of their thread, the
-    same stream; ``rest`` is called exactly once, ``head`` at most once, before it."""
+    same stream; ``rest`` is called exactly once, ``head`` at most once, from another thread,
+    before, during or after ``rest`` (after: it does nothing)."""
 
     def head(self, max_bytes: int) -> None: ...
 
