@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
+import time
 
 import torch
 
@@ -125,8 +127,12 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     # (``bench lookup``), not the transfer's.
     batches = [(fresh_keys(), ids()) for _ in range(4 + 6 * args.reps + 16)]
 
+    calls: list[float] = []  # seconds the caller spent in the engine's calls, per timed operation
+
     def store(count: int = 1) -> None:
+        t0 = time.perf_counter()
         pending = [(engine.store(keys, block_ids), keys) for keys, block_ids in batches[-count:]]
+        calls.append(time.perf_counter() - t0)
         del batches[-count:]
         for handle, keys in pending:
             handle.wait()
@@ -137,12 +143,16 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     common = {"mover": label, "shape": shape, "block MiB": block_bytes / 2**20, "blocks": moved, "pinned": engine.host.pin_memory}
 
     def add(op: str, moved_bytes: int, op_s: float, copy_s: float, ratio: float) -> None:
+        # call us: the host time of the engine's calls (what a step loop spends on them), median.
+        call_us = statistics.median(calls) * 1e6 if calls else float("nan")
+        calls.clear()
         report.add({**common, "op": op, "GB/s": moved_bytes / op_s / 1e9, "memcpy GB/s": moved_bytes / copy_s / 1e9,
-                    "ratio": ratio})
+                    "ratio": ratio, "call us": call_us})
 
     with report.step(f"{label}: fill the arena"):
         for _ in range(4):  # fill the arena once over
             store()
+    calls.clear()
     copies = Memcpy(nbytes, device)  # each timed operation is paired with a plain copy of its bytes
     with report.step(f"{label}: store"):
         store_s, d2h_s, store_ratio = paired_seconds(store, copies.d2h, device, args.reps, warmup=0)
@@ -158,6 +168,7 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     if device.type == "cuda":
         with report.step(f"{label}: compute beside a store"):
             share = compute_share(store, store_s, device)
+    calls.clear()
     held = fresh_keys()
     engine.store(held, ids()).wait()
 
@@ -168,7 +179,9 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     def retrieve() -> None:
         # A lookup precedes every load, as in an engine: it is also what keeps ``held`` recently used.
         engine.lookup(held)
+        t0 = time.perf_counter()
         load_held(batches[-1][1])
+        calls.append(time.perf_counter() - t0)
 
     with report.step(f"{label}: retrieve"):
         load_s, h2d_s, load_ratio = paired_seconds(retrieve, copies.h2d, device, args.reps)
@@ -182,9 +195,11 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
         taken = batches[-pairs:]
         del batches[-pairs:]
         engine.lookup(held)
+        t0 = time.perf_counter()
         handles = [engine.store(keys, block_ids) for keys, block_ids in taken]
         for _keys, block_ids in batches[-pairs:]:
             load_held(block_ids)
+        calls.append(time.perf_counter() - t0)
         for handle in handles:
             handle.wait()
 
@@ -199,7 +214,8 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
         add("both, 2 each in flight", 4 * nbytes, both2_s, bidir2_s, both2_ratio)
     if share is not None:
         # ratio here: matmul throughput beside a store over alone (1.0 = the store costs compute nothing)
-        report.add({**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share})
+        report.add({**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share,
+                    "call us": float("nan")})
     timeline = {}
     if getattr(args, "timeline", False) and device.type == "cuda":
         timeline = {"retrieve": gpu_timeline(retrieve), "store": gpu_timeline(store)}  # a store evicts
