@@ -167,8 +167,7 @@ class _BatchMove:
     def __init__(self, mover: BatchBlockMover, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy], *,
                  to_host: bool) -> None:
         self._mover, self._views, self._copies, self._to_host = mover, views, copies, to_host
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # no window being enqueued
+        self._lock = threading.Lock()  # the head's and the rest's claims
         self._built = False
         self._stream: Any = None  # where the windows go (None: torch copies in ``rest``)
         self._lanes: list[Any] = []  # the stream, then the lanes windows alternate on
@@ -176,7 +175,6 @@ class _BatchMove:
         self._bounds: list[tuple[int, int]] = []
         self._next = 0  # the next window to take
         self._claimed = False  # ``rest`` has begun: ``head`` takes no more
-        self._busy = 0  # windows being enqueued right now
         self._refusal: RuntimeError | None = None
         self._error: BaseException | None = None  # what ``head`` could not do, raised by ``rest``
         self._head: threading.Event | None = None  # set once a ``head`` that began has returned
@@ -204,11 +202,8 @@ class _BatchMove:
             while (window := self._take(None)) is not None:
                 self._enqueue(*window)
         finally:
-            with self._idle:
-                self._idle.wait_for(lambda: self._busy == 0)
-            if len(self._lanes) > 1:
-                for lane in self._lanes[1:]:
-                    self._mover.driver.join(self._stream, lane)
+            for lane in self._lanes[1:]:  # the move's stream ends after every lane's windows
+                self._mover.driver.join(self._stream, lane)
         if self._error is not None:
             raise self._error
         if self._stream is None or self._refusal is not None:
@@ -235,7 +230,6 @@ class _BatchMove:
                 return None
             stream = self._lanes[self._next % len(self._lanes)]
             self._next += 1
-            self._busy += 1
             return lo, hi, stream
 
     def _build(self) -> None:
@@ -253,12 +247,8 @@ class _BatchMove:
         self._stream, self._list, self._bounds, self._lanes = stream, listing, bounds, lanes
 
     def _enqueue(self, lo: int, hi: int, stream: Any) -> None:
+        """One window (one thread at a time: the rest waits for the head to return)."""
         try:
             self._mover.driver.copy(self._list, lo, hi, stream)  # type: ignore[arg-type]
         except RuntimeError as exc:
-            with self._lock:
-                self._refusal = self._refusal or exc
-        finally:
-            with self._idle:
-                self._busy -= 1
-                self._idle.notify_all()
+            self._refusal = self._refusal or exc

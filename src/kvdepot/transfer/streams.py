@@ -49,10 +49,9 @@ class CudaStreams:
     def event(self) -> Any:
         return torch.cuda.Event()
 
-    @contextlib.contextmanager
-    def use(self, stream: Any) -> Iterator[None]:
-        with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-            yield
+    def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        # NOTE: torch's stream context also makes the stream's device current when it is not
+        return torch.cuda.stream(stream)
 
 
 CUDA = CudaStreams()
