@@ -199,7 +199,7 @@ class _BatchMove:
         if head is not None:
             head.wait()  # its last window is enqueued before ours and before the store's event
         try:
-            while (window := self._take(None)) is not None:
+            while self._error is None and (window := self._take(None)) is not None:
                 self._enqueue(*window)
         finally:
             for lane in self._lanes[1:]:  # the move's stream ends after every lane's windows
@@ -233,8 +233,8 @@ class _BatchMove:
             return lo, hi, stream
 
     def _build(self) -> None:
-        """Set once, whole or not at all: a failure leaves the move to torch copies' fallback path
-        no window, and is raised to the caller of the part that hit it."""
+        """The stream, copy list, windows and lanes, all set or none: if building raises, the move
+        has no window, and the error reaches ``rest``'s caller (``head`` keeps it for ``rest``)."""
         self._built = True
         mover = self._mover
         plan = plan_of(self._views)

@@ -109,11 +109,19 @@ class InflightTransfers:
             head = self.head_bytes > 0 and self._queued == 0  # idle: nothing of ours on ``side``
             self._queued += 1
         ready = None
-        if head:  # enqueued by this thread, before the hand-off: the issuer's windows come after
-            side.wait_stream(caller)
-        else:
-            ready = self.kit.event()
-            ready.record(caller)
+        try:
+            if head:  # enqueued by this thread, before the hand-off: the issuer's windows come after
+                side.wait_stream(caller)
+            else:
+                ready = self.kit.event()
+                ready.record(caller)
+        except BaseException:  # nothing handed over: take the store back
+            transfer.issued.set()
+            with self._lock:
+                self._queued -= 1
+                self.inflight.remove(transfer)
+                transfer.on_fail()
+            raise
         self._start_issuer()
         self._issues.put((transfer, move, side, ready))  # wakes the issuer while the head goes
         if head:
