@@ -66,11 +66,12 @@ class Stamps:
 
 class StubDriver:
     """A batch driver whose call copies nothing: it stamps when it was entered and left, and
-    spends ``us_per_copy`` of host time per copy with the GIL released, as the real call does
-    (a ctypes call; ~1.3 us per copy on the H200's host, docs/benchmarks.md) — a thread waiting
-    for the GIL (a store's issuer) gets it meanwhile, as it would beside the real driver. The time
-    is spent in libc's memset, calibrated at start. ``pool``: the pool's [first, last) address,
-    which tells a load's copies from a store's."""
+    goes through a foreign call (libc's memset, via ctypes, as the real one) so that the GIL is
+    let go as the real call lets it go. With ``us_per_copy`` > 0 the memset is sized (calibrated
+    at start) to take that long per copy, the real call's host time (~1.3 us per copy on the
+    H200's host, docs/benchmarks.md) — which also sweeps the CPU caches, so the host work around
+    it then reads slower than beside the real driver; 0 (the default) counts only our own work.
+    ``pool``: the pool's [first, last) address, which tells a load's copies from a store's."""
 
     def __init__(self, stamps: Stamps, us_per_copy: float) -> None:
         self.stamps, self.pool = stamps, (0, 0)
@@ -102,8 +103,7 @@ class StubDriver:
     def copy(self, copies: Any, lo: int, hi: int, stream: Any) -> None:
         enter = time.perf_counter()
         to_host = not self.pool[0] <= int(copies.dst[lo]) < self.pool[1]
-        if self._bytes_per_us:
-            self._memset(self._scratch, 0, min(len(self._scratch), int((hi - lo) * self.us_per_copy * self._bytes_per_us)))
+        self._memset(self._scratch, 0, min(len(self._scratch), int((hi - lo) * self.us_per_copy * self._bytes_per_us)))
         with self.stamps.lock:
             self.stamps.calls.append((enter, time.perf_counter(), to_host))
 
@@ -115,8 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=256, help="blocks per operation (issue 19: 256)")
     parser.add_argument("--paths", default="bookkeeping,batch", help="bookkeeping (a mover that copies nothing), batch (the batch mover, driver call stubbed), comma-separated")
     parser.add_argument("--reps", type=int, default=200, help="timed operations of each kind")
-    parser.add_argument("--driver-us-per-copy", type=float, default=1.3,
-                        help="batch path: host time the stubbed driver call spends per copy, GIL released (H200 host: ~1.3)")
+    parser.add_argument("--driver-us-per-copy", type=float, default=0.0,
+                        help="batch path: host time the stubbed driver call spends per copy, GIL released (H200 host: ~1.3; "
+                             "emulated by a memset, which also sweeps the caches); 0: our own host work only")
     parser.add_argument("--profile", action="store_true", help="also print cProfile's top 25 functions of each path and shape")
     add_output_arguments(parser)
 

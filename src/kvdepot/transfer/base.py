@@ -50,12 +50,16 @@ class ChunkCopy:
 class Move(Protocol):
     """A gather prepared to be enqueued in parts (``BlockMover.prepare_gather``).
 
-    ``head(max_bytes)`` enqueues up to about ``max_bytes`` of the first copies (maybe none: it
+    ``prepare()`` does what ``head`` needs before its first copy (a copy list), so that the
+    caller can wake the issuer only then (a thread that wakes while the caller builds takes the
+    GIL from it); it never raises either. ``head(max_bytes)`` enqueues up to about ``max_bytes`` of the first copies (maybe none: it
     stops as soon as ``rest`` has started) and never raises: a failure is kept for ``rest``.
     ``rest()`` waits for a ``head`` still running, enqueues every copy not enqueued yet, and
     raises what either part could not enqueue. Both on the current stream of their thread, the
     same stream; ``rest`` is called exactly once, ``head`` at most once, from another thread,
     before, during or after ``rest`` (after: it does nothing)."""
+
+    def prepare(self) -> None: ...
 
     def head(self, max_bytes: int) -> None: ...
 
@@ -103,6 +107,9 @@ class WholeMove:
 
     def __init__(self, move: Callable[[], None]) -> None:
         self._move = move
+
+    def prepare(self) -> None:
+        pass
 
     def head(self, max_bytes: int) -> None:
         pass

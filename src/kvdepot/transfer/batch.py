@@ -179,6 +179,14 @@ class _BatchMove:
         self._error: BaseException | None = None  # what ``head`` could not do, raised by ``rest``
         self._head: threading.Event | None = None  # set once a ``head`` that began has returned
 
+    def prepare(self) -> None:
+        try:
+            with self._lock:
+                if not self._built:
+                    self._build()
+        except BaseException as exc:  # NOTE: a thread boundary: ``rest`` raises it on the issuer
+            self._error = exc
+
     def head(self, max_bytes: int) -> None:
         with self._lock:
             if self._claimed:
