@@ -112,14 +112,14 @@ def copy_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool) -> 
     """One copy per maximal run of listed block segments that follow each other both in the pool
     and in the host buffers (one contiguous span on each side, in one allocation each), over all
     views in order; rows ordered for the direction (``to_host``: host <- pool)."""
-    parts = _one_view(plan, copies) if plan.views == 1 else _many_views(plan, copies)
-    if parts is None:
-        return CopyList(np.zeros((3, 0), dtype=np.int64))
-    pool_at, host_at, sizes = parts
-    table = np.empty((3, len(sizes)), dtype=np.int64)
-    table[0], table[1] = (host_at, pool_at) if to_host else (pool_at, host_at)
-    table[2] = sizes
-    return CopyList(table)
+    table = _one_view(plan, copies, to_host) if plan.views == 1 else _many_views(plan, copies, to_host)
+    return CopyList(table if table is not None else np.zeros((3, 0), dtype=np.int64))
+
+
+def _table(count: int, to_host: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """An empty copy table and its pool, host and size rows for the direction."""
+    table = np.empty((3, count), dtype=np.int64)
+    return (table, table[1], table[0], table[2]) if to_host else (table, table[0], table[1], table[2])
 
 
 def _ids(ids: list[int]) -> np.ndarray:
@@ -127,11 +127,12 @@ def _ids(ids: list[int]) -> np.ndarray:
     return np.frombuffer(struct.pack(f"{len(ids)}q", *ids), dtype=np.int64)
 
 
-def _one_view(plan: PoolPlan, copies: Sequence[ChunkCopy]) -> tuple[np.ndarray, ...] | None:
+def _one_view(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool) -> np.ndarray | None:
     """The usual case (TensorRT-LLM's cross-layer pool): block ``k`` of the move sits at
     ``base[chunk] + k * seg`` in its slot, so whether a chunk's part continues the one before
     it in the host (the same base, in the same allocation) is decided per chunk, in the one
-    Python pass over the chunks; the rest is ~12 numpy calls whatever the size."""
+    Python pass over the chunks; the rest is ~15 numpy calls whatever the size, written
+    straight into the table."""
     seg, stride = int(plan.seg[0]), int(plan.stride[0])
     ids: list[int] = []
     counts, bases, forced = [], [], []
@@ -161,18 +162,19 @@ def _one_view(plan: PoolPlan, copies: Sequence[ChunkCopy]) -> tuple[np.ndarray, 
     if forced:
         starts[forced] = True
     run = np.flatnonzero(starts)
-    host_at = np.repeat(np.array(bases, dtype=np.int64), counts)[run]
+    table, pool_at, host_at, sizes = _table(len(run), to_host)
+    np.take(np.repeat(np.array(bases, dtype=np.int64), counts), run, out=host_at)
     host_at += run * seg
-    pool_at = block[run] * stride
+    np.take(block, run, out=pool_at)
+    pool_at *= stride
     pool_at += int(plan.base[0])
-    sizes = np.empty(len(run), dtype=np.int64)
     np.subtract(run[1:], run[:-1], out=sizes[:-1])
     sizes[-1] = total - run[-1]
     sizes *= seg
-    return pool_at, host_at, sizes
+    return table
 
 
-def _many_views(plan: PoolPlan, copies: Sequence[ChunkCopy]) -> tuple[np.ndarray, ...] | None:
+def _many_views(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool) -> np.ndarray | None:
     """Per-layer views (vLLM's caches): the same arithmetic on [views, blocks] arrays, and a run
     may continue into the next view where both sides happen to be back to back."""
     ids: list[int] = []
@@ -199,8 +201,11 @@ def _many_views(plan: PoolPlan, copies: Sequence[ChunkCopy]) -> tuple[np.ndarray
     starts[1:, 0] = ((pool[:-1, -1] + plan.seg[:-1] != pool[1:, 0]) | (host[:-1, -1] + plan.seg[:-1] != host[1:, 0])
                      | (plan.alloc[:-1] != plan.alloc[1:]) | (per[-1, 2] != per[0, 2]))
     run = np.flatnonzero(starts.ravel())
-    sizes = np.add.reduceat(np.repeat(plan.seg, total), run)
-    return pool.ravel()[run], host.ravel()[run], sizes
+    table, pool_at, host_at, sizes = _table(len(run), to_host)
+    np.take(pool.ravel(), run, out=pool_at)
+    np.take(host.ravel(), run, out=host_at)
+    sizes[:] = np.add.reduceat(np.repeat(plan.seg, total), run)
+    return table
 
 
 def block_addresses(plan: PoolPlan, copies: Sequence[ChunkCopy]) -> tuple[np.ndarray, np.ndarray]:
