@@ -234,34 +234,21 @@ def test_a_head_takes_windows_up_to_its_bytes_and_the_rest_takes_the_others_once
     small.rest()
 
 
-def test_a_head_stops_once_the_rest_has_begun_and_the_rest_waits_for_it():
-    """The issuer's ``rest`` starts while the caller's ``head`` is inside a driver call: the rest
-    claims the windows left and waits (GIL released) until the head has returned, so that the
-    caller is not kept waiting for the GIL behind the issuer's windows; the head takes no window
-    after the one in flight, the rest takes all the others."""
+def test_a_head_on_one_thread_and_the_rest_on_another_move_every_block_once():
+    """As the engine does it: the caller's thread enqueues the head, the issuer thread the rest."""
     views, copies, expected, per_block = _store_case()
-    driver = HostDriver(gate_call=2)  # the head's second window blocks in the driver
+    driver = HostDriver()
     mover = BatchBlockMover(window_bytes=2 * per_block, first_window_bytes=per_block, driver=driver)
     move = mover.prepare_gather(views, copies)
-    head = threading.Thread(target=move.head, args=(1 << 30,), name="caller")
-    head.start()
-    assert driver.entered.wait(30)
-    done = threading.Event()
-    rest = threading.Thread(target=lambda: (move.rest(), done.set()), name="issuer")
-    rest.start()
-    assert not done.wait(0.3) and len(driver.calls) == 2  # the rest waits for the head's window
-    driver.gate.set()
-    head.join(30)
-    rest.join(30)
-    assert done.is_set() and [c["thread"] for c in driver.calls[:2]] == ["caller", "caller"]
-    assert {c["thread"] for c in driver.calls[2:]} == {"issuer"} and len(driver.calls) > 2
+    caller = threading.Thread(target=move.head, args=(3 * per_block,), name="caller")
+    caller.start()
+    caller.join(30)
+    issuer = threading.Thread(target=move.rest, name="issuer")
+    issuer.start()
+    issuer.join(30)
+    assert [c["thread"] for c in driver.calls] == ["caller"] * 2 + ["issuer"] * (len(driver.calls) - 2)
     assert driver.bytes_moved() == 12 * per_block and len(set(_windows(driver))) == len(driver.calls)
     assert all(torch.equal(cp.host, e) for cp, e in zip(copies, expected, strict=True))
-    late = mover.prepare_gather(views, copies)
-    driver.calls.clear()
-    late.rest()
-    late.head(1 << 30)  # a head that comes after the rest began (the issuer woke first) does nothing
-    assert {c["thread"] for c in driver.calls} == {"MainThread"} and driver.bytes_moved() == 12 * per_block
 
 
 def test_what_the_head_cannot_do_is_raised_by_the_rest_or_redone_by_torch(caplog):
@@ -291,9 +278,10 @@ def test_what_the_head_cannot_do_is_raised_by_the_rest_or_redone_by_torch(caplog
 @pytest.mark.gpu
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_batch_mover_on_cuda_with_lanes_and_a_store_issued_by_two_threads(lanes):
-    """On the device: a store whose head is enqueued by one thread and rest by another, on the
-    same stream (with lanes joined back into it), then a load of it all into a poisoned pool;
-    the stream waited on sees every byte."""
+    """On the device: a store whose head is enqueued by a fresh thread (its first driver call
+    needs the context made current there) and the rest by another, on the same stream (with
+    lanes joined back into it), then a load of it all into a poisoned pool; the stream waited
+    on sees every byte."""
     from kvdepot.transfer import cuda_batch
 
     if not cuda_batch.available():
@@ -313,11 +301,11 @@ def test_batch_mover_on_cuda_with_lanes_and_a_store_issued_by_two_threads(lanes)
         with torch.cuda.stream(side):
             move.head(4 * per_block)
 
-    caller = threading.Thread(target=head)
+    caller = threading.Thread(target=head)  # a thread that has done nothing on the device yet
     caller.start()
+    caller.join()
     with torch.cuda.stream(side):
         move.rest()
-    caller.join()
     side.synchronize()
     assert mover.refused == 0
     for cp in copies:

@@ -49,6 +49,12 @@ class NullMover(PerChunk):
     def scatter(self, src: Any, views: Sequence[Any], block_ids: Sequence[int], first: int = 0) -> None:
         pass
 
+    def gather_many(self, views: Sequence[Any], copies: Sequence[Any]) -> None:
+        pass
+
+    def scatter_many(self, copies: Sequence[Any], views: Sequence[Any]) -> None:
+        pass
+
 
 @dataclass
 class Stamps:

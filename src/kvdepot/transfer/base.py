@@ -18,11 +18,11 @@ Primitives (all enqueue on the *current* CUDA stream for CUDA pools; synchronous
                                             ``copies_by_layer`` split it (the others load whole at
                                             the first step, which is still correct)
     prepare_gather(views, copies) -> Move   a store enqueued in two parts: ``head(max_bytes)``
-                                            its first copies, ``rest()`` all the others; the
-                                            parts may run on two threads at once (the engine's
-                                            caller and its store issuer), each with the same
-                                            stream current; movers that cannot split enqueue
-                                            nothing in ``head`` and everything in ``rest``
+                                            its first copies, then ``rest()`` all the others,
+                                            maybe on two threads in turn (the engine's caller,
+                                            then its store issuer), with the same stream
+                                            current; movers that cannot split enqueue nothing
+                                            in ``head`` and everything in ``rest``
 Declared capabilities (never probed): ``copies_by_layer`` and ``refused`` (batched copies the
 driver refused so far, each redone another way; 0 for movers that never batch).
 Postconditions: exactly the listed blocks are read or written, in list order; no other byte
@@ -48,18 +48,11 @@ class ChunkCopy:
 
 
 class Move(Protocol):
-    """A gather prepared to be enqueued in parts (``BlockMover.prepare_gather``).
-
-    ``prepare()`` does what ``head`` needs before its first copy (a copy list), so that the
-    caller can wake the issuer only then (a thread that wakes while the caller builds takes the
-    GIL from it); it never raises either. ``head(max_bytes)`` enqueues up to about ``max_bytes`` of the first copies (maybe none: it
-    stops as soon as ``rest`` has started) and never raises: a failure is kept for ``rest``.
-    ``rest()`` waits for a ``head`` still running, enqueues every copy not enqueued yet, and
-    raises what either part could not enqueue. Both on the current stream of their thread, the
-    same stream; ``rest`` is called exactly once, ``head`` at most once, from another thread,
-    before, during or after ``rest`` (after: it does nothing)."""
-
-    def prepare(self) -> None: ...
+    """A gather prepared to be enqueued in two parts (``BlockMover.prepare_gather``), on two
+    threads in turn: ``head(max_bytes)`` enqueues about ``max_bytes`` of the first copies (maybe
+    none) and never raises (a failure is kept for ``rest``); ``rest()``, called once after
+    ``head`` has returned (or without it), enqueues every copy not enqueued yet and raises what
+    either part could not enqueue. Each on the current stream of its thread, the same stream."""
 
     def head(self, max_bytes: int) -> None: ...
 
@@ -107,9 +100,6 @@ class WholeMove:
 
     def __init__(self, move: Callable[[], None]) -> None:
         self._move = move
-
-    def prepare(self) -> None:
-        pass
 
     def head(self, max_bytes: int) -> None:
         pass

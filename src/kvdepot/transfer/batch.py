@@ -13,10 +13,10 @@ Measured on the H200 (perf-notes, runs O and Q): the best mover from 256 KiB blo
 taken from the forward; ``auto`` picks it wherever the driver has the call. ``scatter_layers``
 loads a cross-layer pool one layer at a time, for TensorRT-LLM's ``wait_for_layer_load``.
 
-A store is prepared as a ``Move`` (``prepare_gather``): the engine's calling thread may take
-windows from the front (``head``) while its store issuer wakes up, and the issuer takes all the
-rest (``rest``) — the copy engines start without waiting for a thread to wake, and the caller
-does no more than that wait (``inflight.py``). ``lanes`` > 1 alternates windows over that many
+A store is prepared as a ``Move`` (``prepare_gather``): the engine's calling thread enqueues its
+first windows (``head``, a few MiB) and only then hands it to its store issuer, which enqueues
+the rest (``rest``) — the copy engines start without waiting for a sleeping thread to wake, and
+they have the head to copy while it does (``inflight.py``). ``lanes`` > 1 alternates windows over that many
 streams (the caller's and lanes joined back into it): an experiment in letting two copy engines
 overlap each copy's fixed cost, for small copies (issue 19; ``kvdepot bench transfer --lanes``).
 
@@ -28,7 +28,6 @@ synchronously), and any move the driver refuses part of (logged and counted in `
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -152,68 +151,46 @@ class BatchBlockMover(OneChunk):
 
 
 class _BatchMove:
-    """One gather or scatter, enqueued window by window — by one thread, or a store's by two:
-    the engine's caller takes windows from the front (``head``) while the issuer thread wakes
-    up; the issuer, once in ``rest``, claims the others, waits for the head to return (GIL
-    released, so that the caller is not left waiting for the GIL behind the issuer's windows: a
-    thread back from a driver call rarely wins it from a busy one), then enqueues them. Windows
-    are independent copies of distinct bytes, so their order on the stream does not matter; what
-    does is that every one is enqueued before ``rest`` returns (the store's event comes next).
+    """One gather or scatter, enqueued window by window: all by one thread, or a store's by two
+    in turn — the engine's caller enqueues the first windows (``head``), then hands the store
+    to its issuer thread, which enqueues the others (``rest``). Never both at once: the issuer
+    is woken only after the head has returned, so neither waits for the GIL behind the other
+    within the call (a thread back from a driver call rarely wins the GIL from a busy one).
 
-    The copy list is built by whichever part runs first, under the move's lock. A window the
-    driver refuses stops the rest, and ``rest`` moves it all again with torch: the driver checks
-    a batch before it runs any of it, and a block copied twice gets the same bytes."""
+    A window the driver refuses stops the move, and ``rest`` moves it all again with torch: the
+    driver checks a batch before it runs any of it, and a block copied twice gets the same bytes."""
 
     def __init__(self, mover: BatchBlockMover, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy], *,
                  to_host: bool) -> None:
         self._mover, self._views, self._copies, self._to_host = mover, views, copies, to_host
-        self._lock = threading.Lock()  # the head's and the rest's claims
         self._built = False
         self._stream: Any = None  # where the windows go (None: torch copies in ``rest``)
         self._lanes: list[Any] = []  # the stream, then the lanes windows alternate on
         self._list: CopyList | None = None
         self._bounds: list[tuple[int, int]] = []
-        self._next = 0  # the next window to take
-        self._claimed = False  # ``rest`` has begun: ``head`` takes no more
+        self._next = 0  # the next window to enqueue
         self._refusal: RuntimeError | None = None
         self._error: BaseException | None = None  # what ``head`` could not do, raised by ``rest``
-        self._head: threading.Event | None = None  # set once a ``head`` that began has returned
-
-    def prepare(self) -> None:
-        try:
-            with self._lock:
-                if not self._built:
-                    self._build()
-        except BaseException as exc:  # NOTE: a thread boundary: ``rest`` raises it on the issuer
-            self._error = exc
 
     def head(self, max_bytes: int) -> None:
-        with self._lock:
-            if self._claimed:
-                return
-            self._head = threading.Event()
         try:
-            while (window := self._take(max_bytes)) is not None:
-                self._enqueue(*window)
+            self._build()
+            while self._next < len(self._bounds) and self._refusal is None and (
+                    not self._next or self._list.ends[self._bounds[self._next][1] - 1] <= max_bytes):  # type: ignore[union-attr]
+                self._enqueue()
         except BaseException as exc:  # NOTE: a thread boundary: ``rest`` raises it on the issuer
             self._error = exc
-        finally:
-            self._head.set()
 
     def rest(self) -> None:
-        with self._lock:
-            self._claimed = True
-            head = self._head
-        if head is not None:
-            head.wait()  # its last window is enqueued before ours and before the store's event
+        if self._error is not None:
+            raise self._error
         try:
-            while self._error is None and (window := self._take(None)) is not None:
-                self._enqueue(*window)
+            self._build()
+            while self._next < len(self._bounds) and self._refusal is None:
+                self._enqueue()
         finally:
             for lane in self._lanes[1:]:  # the move's stream ends after every lane's windows
                 self._mover.driver.join(self._stream, lane)
-        if self._error is not None:
-            raise self._error
         if self._stream is None or self._refusal is not None:
             if self._refusal is not None:
                 self._mover._refused(self._refusal)
@@ -223,26 +200,11 @@ class _BatchMove:
             else:
                 fallback.scatter_many(self._copies, self._views)
 
-    def _take(self, head_bytes: int | None) -> tuple[int, int, Any] | None:
-        """The next window and its stream, or None: all taken, a refusal, or (for the head, whose
-        ``head_bytes`` is set) the issuer has started or the window would end past the head."""
-        with self._lock:
-            if head_bytes is not None and self._claimed:
-                return None
-            if not self._built:
-                self._build()
-            if self._refusal is not None or self._next >= len(self._bounds):
-                return None
-            lo, hi = self._bounds[self._next]
-            if head_bytes is not None and self._next and self._list.ends[hi - 1] > head_bytes:  # type: ignore[union-attr]
-                return None
-            stream = self._lanes[self._next % len(self._lanes)]
-            self._next += 1
-            return lo, hi, stream
-
     def _build(self) -> None:
-        """The stream, copy list, windows and lanes, all set or none: if building raises, the move
-        has no window, and the error reaches ``rest``'s caller (``head`` keeps it for ``rest``)."""
+        """The stream, copy list, windows and lanes, once, all set or none: if building raises,
+        the move has no window and the error reaches ``rest``'s caller."""
+        if self._built:
+            return
         self._built = True
         mover = self._mover
         plan = plan_of(self._views)
@@ -254,9 +216,12 @@ class _BatchMove:
         lanes = [stream] + [mover.driver.lane(stream) for _ in range(min(mover.lanes, len(bounds)) - 1)]
         self._stream, self._list, self._bounds, self._lanes = stream, listing, bounds, lanes
 
-    def _enqueue(self, lo: int, hi: int, stream: Any) -> None:
-        """One window (one thread at a time: the rest waits for the head to return)."""
+    def _enqueue(self) -> None:
+        """The next window, on its stream (the move's and its lanes in turn)."""
+        lo, hi = self._bounds[self._next]
+        stream = self._lanes[self._next % len(self._lanes)]
+        self._next += 1
         try:
             self._mover.driver.copy(self._list, lo, hi, stream)  # type: ignore[arg-type]
         except RuntimeError as exc:
-            self._refusal = self._refusal or exc
+            self._refusal = exc

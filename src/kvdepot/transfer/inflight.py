@@ -17,11 +17,11 @@ per GiB (the retired ``tools/transfer_anatomy.py``, perf-notes run J; H200 host)
 loop busy and held back a load issued right after it (the next step's), which started its copies
 only once the store's were all issued. But a thread that sleeps takes time to wake (H200, run R:
 ~0.3 ms from the call's return to the issuer's first step), time in which the copy engines sat
-idle: so when the issuer is idle, the caller makes the store's stream wait for its own, builds
-the store's copy list (``Move.prepare``), hands the store over (which wakes the issuer) and
-enqueues the store's first copies itself (``Move.head``, at most ``head_bytes``) until the
-issuer has woken and taken the rest — the step loop spends about a wake-up on it, and the copy
-engines none. A busy issuer gets the store whole.
+idle: so when the issuer is idle, the caller makes the store's stream wait for its own, enqueues
+the store's first copies itself (``Move.head``, ``head_bytes``: ~14 MiB in three driver calls by
+default, a quarter of a millisecond of copying at PCIe speed) and only then hands the store over,
+which wakes the issuer while the copy engines work on the head; the step loop spends the copy
+list and those few calls on it. A busy issuer gets the store whole (its stream is busy anyway).
 A *load* is issued by the caller: its caller's stream must wait for it, and that wait has to be
 enqueued before ``load`` returns. A *layered* load is issued by whoever waits on it, a few layers
 at a time (``layered.py``); ``wait_for`` / ``wait_all`` enqueue what is left of any, so that
@@ -123,14 +123,11 @@ class InflightTransfers:
                 self.inflight.remove(transfer)
                 transfer.on_fail()
             raise
+        if head:
+            with self.kit.use(side):
+                move.head(self.head_bytes)  # never raises: ``rest`` does, on the issuer
         self._start_issuer()
-        if not head:
-            self._issues.put((transfer, move, side, ready))
-            return transfer.token
-        with self.kit.use(side):  # neither part raises: ``rest`` does, on the issuer
-            move.prepare()
-            self._issues.put((transfer, move, side, ready))  # wakes the issuer while the head goes
-            move.head(self.head_bytes)
+        self._issues.put((transfer, move, side, ready))  # wakes the issuer (after the head: no GIL ping-pong)
         return transfer.token
 
     def load(self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any) -> int | None:
