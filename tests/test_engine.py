@@ -673,10 +673,16 @@ def test_cuda_store_that_cannot_be_issued_is_dropped_and_leaks_nothing():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mover", ["slow", "batch"])
 @pytest.mark.parametrize("explicit_stream", [False, True])
-def test_cuda_store_waits_for_the_callers_writes_and_the_caller_waits_for_loads(explicit_stream):
+def test_cuda_store_waits_for_the_callers_writes_and_the_caller_waits_for_loads(explicit_stream, mover):
+    """``slow``: a load that keeps its stream busy, which the caller's stream must wait for.
+    ``batch``: a store whose first copies the calling thread enqueues itself (its issuer idle),
+    which must still come after the caller's writes (the store's stream waits for the caller's)."""
+    if mover == "batch" and not transfer.cuda_batch.available():
+        pytest.skip("this driver has no cuMemcpyBatchAsync_v2")
     rig = Rig(device="cuda", dtype=torch.bfloat16, tpb=8, bpc=2, num_blocks=10)
-    engine = cuda_engine(rig, SlowMover(slow_scatter=True))
+    engine = cuda_engine(rig, SlowMover(slow_scatter=True) if mover == "slow" else transfer.BatchBlockMover())
     tokens, ids = rig.tokens(32), [9, 2, 4, 5]
     rows = rig.pool.view(torch.uint8).reshape(rig.num_blocks, -1)
     fresh = rig.random(len(ids), rows.shape[1]).cuda()

@@ -18,7 +18,9 @@ On CUDA, copies run on the engine's own store/load streams: a store waits for an
 caller's (forward) stream and never makes the forward stream wait; a load makes the caller's
 stream wait for it. Slots written by a store become visible to lookups once the copy completes;
 slots read by a load stay pinned until it completes. Lease timeouts run on the engine's
-``clock`` (monotonic seconds; tests pass a fake one).
+``clock`` (monotonic seconds; tests pass a fake one). Its side streams come from ``streams``
+(CUDA's; CPU benches and tests pass ``transfer.streams.ImmediateStreams`` to run the GPU's store
+issuer and side-stream paths on a CPU pool).
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ from kvdepot.storage.host import HostTier
 from kvdepot.storage.manager import TierManager
 from kvdepot.storage.pinner import ArenaPinner
 from kvdepot.storage.promotions import Promotions
-from kvdepot.transfer import MOVERS, cuda_batch
+from kvdepot.transfer import MOVERS, BatchBlockMover, cuda_batch
 from kvdepot.transfer.base import BlockMover, ChunkCopy
 from kvdepot.transfer.inflight import InflightTransfers
+from kvdepot.transfer.plan import PoolViews
+from kvdepot.transfer.streams import CUDA, StreamKit
 
 __all__ = ["STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "LayeredLoad", "StoreHandle"]
 
@@ -78,6 +82,7 @@ class CacheEngine(PoolsOwner):
         namespace_fields: dict[str, Any] | None = None,
         events: EventSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        streams: StreamKit = CUDA,
     ) -> None:
         self.config = config or load_config()
         if self.config.chunk_size != layout.chunk_size:
@@ -105,7 +110,7 @@ class CacheEngine(PoolsOwner):
                                       layout.tokens_per_block)
         try:
             self.host = HostTier(capacity, layout.chunk_bytes, pin_memory=pin, clock=clock, events=self.events)
-            self.mover: BlockMover = mover or _pick_mover(self.config.transfer_mover, layout)
+            self.mover: BlockMover = mover or _pick_mover(self.config, layout)
             self.lower = TierManager.from_config(self.config, self.hasher.seed, self.events) if (
                 self.config.disk_path or self.config.remote_url) else None
             if self.lower is not None:  # promoted chunks go down to disk as lazy jobs, read from their slots
@@ -118,9 +123,10 @@ class CacheEngine(PoolsOwner):
         self._pinner = ArenaPinner(self.host, self._lock)
         self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s,
                                       room=self._pinner.wait_for_room)
-        self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead)
+        self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead, streams,
+                                            int(self.config.store_head_mib * (1 << 20)))
         self._pool_loads: list[PoolLoads] = []  # loads into pools other than the attached one
-        self._views: list[torch.Tensor] = []
+        self._views: PoolViews = PoolViews([])
         self._tokens = itertools.count(1)  # names the pins of loads and write-behind reads
         self._stats = EngineStats()
 
@@ -154,7 +160,7 @@ class CacheEngine(PoolsOwner):
         with self._lock:
             self.wait_all()
             self.layout = layout
-            self._views = list(views)
+            self._views = PoolViews(views)  # a new copy plan: the old pool's addresses go with it
             self._pinner.start_locked()
             self._transfers.attach(device)
 
@@ -257,29 +263,25 @@ class CacheEngine(PoolsOwner):
         with self._lock:
             self._poll_locked()
             slots = self.host.reserve_many(keys)
-            placed = [
-                (keys[c], slot, list(block_ids[c * bpc : (c + 1) * bpc]))
-                for c, slot in enumerate(slots)
-                if slot is not None
-            ]
+            placed = [c for c, slot in enumerate(slots) if slot is not None]
             self._stats.dropped_stores = self.host.stats().dropped
         if not placed:
             return StoreHandle(self._transfers, 0, None)
-
-        def copy() -> None:
-            self.mover.gather_many(self._views, [ChunkCopy(ids, slot) for _key, slot, ids in placed])
+        stored = [keys[c] for c in placed]
+        move = self.mover.prepare_gather(self._views, [ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slots[c])
+                                                       for c in placed])
 
         def commit() -> None:
-            for key, _slot, _ids in placed:
+            for key in stored:
                 self.host.commit(key, True)
                 if self.lower is not None:  # never blocks: a full queue drops and counts
                     self.lower.write_behind(key, self._provider(key))
 
         def rollback() -> None:
-            for key, _slot, _ids in placed:
+            for key in stored:
                 self.host.commit(key, False)
 
-        token = self._transfers.run(copy, commit, stream, store=True, on_fail=rollback)
+        token = self._transfers.store(move, commit, rollback, stream)
         with self._lock:
             self._stats.stored_chunks += len(placed)
             self._stats.bytes_stored += len(placed) * bpc * self.layout.bytes_per_block
@@ -369,12 +371,15 @@ def _own_publisher(config: DepotConfig) -> Any:
     return publisher_from_config(config)
 
 
-def _pick_mover(name: str, layout: PoolLayout) -> BlockMover:
+def _pick_mover(config: DepotConfig, layout: PoolLayout) -> BlockMover:
     """``auto``: the batch mover where the driver has its call, else by block size (the H200
     measurements in docs/perf-notes.md, run O)."""
+    name = config.transfer_mover
     if name == "auto":
         if cuda_batch.available():
             name = "batch"
         else:
             name = "runs" if layout.bytes_per_block >= STAGED_BELOW_BYTES else "staged"
+    if name == "batch":
+        return BatchBlockMover(lanes=config.transfer_lanes)
     return MOVERS[name]()

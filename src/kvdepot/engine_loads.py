@@ -29,6 +29,7 @@ from kvdepot.storage.host import HostTier
 from kvdepot.storage.promotions import Promotions
 from kvdepot.transfer.base import BlockMover, ChunkCopy
 from kvdepot.transfer.inflight import InflightTransfers
+from kvdepot.transfer.plan import PoolViews
 
 # Loads by layer need each layer's part of a block to be one efficient copy (``can_load_by_layer``).
 LAYER_PART_MIN_BYTES = 64 << 10
@@ -45,7 +46,7 @@ class LoadPath:
     _lock: threading.RLock
     _promotions: Promotions
     _transfers: InflightTransfers
-    _views: list[torch.Tensor]
+    _views: PoolViews
     _tokens: Iterator[int]
     _stats: EngineStats
 
@@ -129,7 +130,7 @@ class LoadPath:
             return skip_blocks * B, None
         self._promotions.settle(lease)  # a failed promotion is a shorter load, counted below
         pin = ("load", next(self._tokens))
-        plan: list[tuple[torch.Tensor, list[int], int]] = []
+        copies: list[ChunkCopy] = []
         with self._lock:
             self._transfers.poll_locked()
             first = skip_blocks // bpc
@@ -138,26 +139,26 @@ class LoadPath:
                 self.host.pin(pin, cached)  # one call for all: a call per chunk cost ~1 us each
             for c, key in enumerate(cached, first):
                 lo, hi = max(c * bpc, skip_blocks), min((c + 1) * bpc, end_block)  # this chunk's blocks to load
-                plan.append((self.host.slot(key), list(block_ids[lo:hi]), lo - c * bpc))
+                copies.append(ChunkCopy(block_ids[lo:hi], self.host.slot(key), lo - c * bpc))
             if lease is not None:
                 self.host.release(lease)
-        loaded_blocks = sum(len(ids) for _, ids, _ in plan)
+        # The chunks are consecutive from ``first``: they end at the last one's end (or ``end_block``).
+        loaded_blocks = min((first + len(copies)) * bpc, end_block) - skip_blocks if copies else 0
         if num_blocks is not None and loaded_blocks < end_block - skip_blocks:
             with self._lock:
                 self._stats.short_loads += 1
-        if not plan:
+        if not copies:
             self.release(pin)
             return skip_blocks * B, None
-        copies = [ChunkCopy(ids, slot, first) for slot, ids, first in plan]
         layered = None
         if by_layer:  # enqueued a few layers ahead of the forward as it waits (transfer/layered.py)
             layers = self.mover.scatter_layers(copies, self._views, self.layout.num_layers)
             layered = self._transfers.start_layered(layers, self.layout.num_layers, lambda: self.host.release(pin), stream)
         else:
-            self._transfers.run(lambda: self.mover.scatter_many(copies, self._views), lambda: self.host.release(pin),
-                                stream, store=False)
+            self._transfers.load(lambda: self.mover.scatter_many(copies, self._views), lambda: self.host.release(pin),
+                                 stream)
         with self._lock:
-            self._stats.loaded_chunks += len(plan)
+            self._stats.loaded_chunks += len(copies)
             self._stats.layered_loads += layered is not None
             self._stats.bytes_loaded += loaded_blocks * self.layout.bytes_per_block
             self._stats.load_seconds += time.perf_counter() - started
@@ -175,7 +176,7 @@ class PoolLoads(LoadPath):
     with block views and copy streams of its own, so loads into different pools run at once. The
     engine polls, waits for and closes it with its own transfers (``CacheEngine.drop_loads``)."""
 
-    def __init__(self, engine: LoadPath, views: list[torch.Tensor], layout: PoolLayout,
+    def __init__(self, engine: LoadPath, views: PoolViews, layout: PoolLayout,
                  transfers: InflightTransfers) -> None:
         self.layout, self._views, self._transfers = layout, views, transfers
         self.host, self.mover, self._lock, self._promotions = engine.host, engine.mover, engine._lock, engine._promotions
@@ -207,8 +208,8 @@ class PoolsOwner(LoadPath):
         """Loads into ``pool`` beside the attached one, concurrent with loads into other pools
         (``engine_loads.PoolLoads``); ``drop_loads`` before the pool goes away."""
         layout = PoolLayout.from_pool(pool, self.layout.tokens_per_block, self.layout.chunk_size)
-        views = [pool.view(torch.uint8).reshape(layout.num_blocks, -1)]
-        transfers = InflightTransfers(self._lock, self.config.load_layers_ahead)
+        views = PoolViews([pool.view(torch.uint8).reshape(layout.num_blocks, -1)])  # its copy plan, made once
+        transfers = InflightTransfers(self._lock, self.config.load_layers_ahead, self._transfers.kit)
         transfers.attach(self._check_views(views, layout))
         loads = PoolLoads(self, views, layout, transfers)
         with self._lock:

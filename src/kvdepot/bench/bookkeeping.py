@@ -1,29 +1,46 @@
-"""``kvdepot bench bookkeeping``: the host-side cost of ``CacheEngine`` store / lookup / retrieve,
-without any copy (CPU).
+"""``kvdepot bench bookkeeping``: the host-side cost of ``CacheEngine`` store / retrieve per pool
+shape, without any copy (CPU).
 
-The engine runs on a CPU pool shaped like TensorRT-LLM's cross-layer pool (never touched, so never
-backed by memory), with a mover that copies nothing: what is timed is only the Python around the
-copy — keys, block-id checks, slot booking (evicting LRU chunks: the arena holds three operations
-and is filled first), pins and commits. Keys and block ids are drawn before the clock, as ``bench
-transfer`` does. This is the floor under every transfer's latency, whatever the device; on the
-H200's host it predicted a 32-chunk store's bookkeeping within 10% (docs/perf-notes.md).
+Two paths through the engine, on a CPU pool shaped like TensorRT-LLM's cross-layer pool (never
+touched, so never backed by memory):
+
+``bookkeeping``  a mover that copies nothing: keys, block-id checks, slot booking (evicting LRU
+                 chunks: the arena holds three operations and is filled first), pins, commits.
+``batch``        the batch mover with everything real but the driver call, which is stubbed (it
+                 copies nothing and returns at once), on ``ImmediateStreams``: a store still goes
+                 through the issuer thread, a load through the side-stream path — the GPU's code
+                 paths, with their thread hand-off. Timed from the call: when it returned, when the
+                 first driver call was entered (the copy engines' start, less the driver's own
+                 time) and when the last one returned (everything issued).
+
+Keys and block ids are drawn before the clock, as ``bench transfer`` does. Host time per operation
+is what stands between a call and its first copy, and what keeps small operations (256 blocks of
+256 KiB: 1.2 ms of PCIe) from the copy engines' speed (docs/benchmarks.md, issue 19). On the H200's
+host the bookkeeping path predicted a 32-chunk store's bookkeeping within 10% (docs/perf-notes.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import ctypes
 import pstats
 import random
 import statistics
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvdepot.bench.report import Bars, Report, add_output_arguments
+from kvdepot.transfer.base import PerChunk
+
+MODELS = {"8b": (32, 8, 128), "1b": (16, 8, 64)}  # layers, KV heads, head dim (Llama-3-8B, Llama-3.2-1B)
 
 
-class NullMover:
+class NullMover(PerChunk):
     """A mover that copies nothing: the engine's bookkeeping is all that is left to time."""
 
     def gather(self, views: Sequence[Any], block_ids: Sequence[int], dst: Any, first: int = 0) -> None:
@@ -39,95 +56,242 @@ class NullMover:
         pass
 
 
+@dataclass
+class Stamps:
+    """When each stubbed driver call was entered and left (perf_counter seconds), and its direction."""
+
+    calls: list[tuple[float, float, bool]] = field(default_factory=list)  # (enter, leave, to_host)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def first(self, to_host: bool) -> float:
+        return min(enter for enter, _, d in self.calls if d == to_host)
+
+    def last(self, to_host: bool) -> float:
+        return max(leave for _, leave, d in self.calls if d == to_host)
+
+
+class StubDriver:
+    """A batch driver whose call copies nothing: it stamps when it was entered and left, and
+    goes through a foreign call (libc's memset, via ctypes, as the real one) so that the GIL is
+    let go as the real call lets it go. With ``us_per_copy`` > 0 the memset is sized (calibrated
+    at start) to take that long per copy, the real call's host time (~1.3 us per copy on the
+    H200's host, docs/benchmarks.md) — which also sweeps the CPU caches, so the host work around
+    it then reads slower than beside the real driver; 0 (the default) counts only our own work.
+    ``pool``: the pool's [first, last) address, which tells a load's copies from a store's."""
+
+    def __init__(self, stamps: Stamps, us_per_copy: float) -> None:
+        self.stamps, self.pool = stamps, (0, 0)
+        self._memset = ctypes.CDLL(None).memset
+        self._memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+        self._scratch = ctypes.create_string_buffer(1 << 24)
+        self._bytes_per_us = self._calibrate() if us_per_copy > 0 else 0.0
+        self.us_per_copy = us_per_copy
+
+    def _calibrate(self) -> float:
+        size, reps = 1 << 20, 50
+        best = min(self._time(size) for _ in range(reps))
+        return size / (best * 1e6)
+
+    def _time(self, nbytes: int) -> float:
+        t0 = time.perf_counter()
+        self._memset(self._scratch, 0, nbytes)
+        return time.perf_counter() - t0
+
+    def stream(self, views: Sequence[Any], copies: Sequence[Any]) -> Any:
+        return 7  # as if on a CUDA stream, with pinned buffers
+
+    def lane(self, stream: Any) -> Any:
+        return 8
+
+    def join(self, stream: Any, lane: Any) -> None:
+        pass
+
+    def copy(self, copies: Any, lo: int, hi: int, stream: Any) -> None:
+        enter = time.perf_counter()
+        to_host = not self.pool[0] <= int(copies.dst[lo]) < self.pool[1]
+        self._memset(self._scratch, 0, min(len(self._scratch), int((hi - lo) * self.us_per_copy * self._bytes_per_us)))
+        with self.stamps.lock:
+            self.stamps.calls.append((enter, time.perf_counter(), to_host))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=16, help="layers of the pool (Llama-3.2-1B: 16)")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads per layer")
-    parser.add_argument("--head-dim", type=int, default=64, help="elements per head")
-    parser.add_argument("--tokens-per-block", type=int, default=8, help="tokens per pool block (small blocks: most bookkeeping)")
+    parser.add_argument("--models", default="8b,1b", help=f"pool shapes, comma-separated: {', '.join(MODELS)} (layers, KV heads, head dim of Llama-3-8B / -3.2-1B)")
+    parser.add_argument("--tokens-per-block", default="32,8", help="tokens per pool block, comma-separated (each model is run with each)")
     parser.add_argument("--chunk-size", type=int, default=256, help="tokens per kvdepot chunk")
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per operation")
+    parser.add_argument("--blocks", type=int, default=256, help="blocks per operation (issue 19: 256)")
+    parser.add_argument("--paths", default="bookkeeping,batch", help="bookkeeping (a mover that copies nothing), batch (the batch mover, driver call stubbed), comma-separated")
     parser.add_argument("--reps", type=int, default=200, help="timed operations of each kind")
-    parser.add_argument("--profile", action="store_true", help="also print cProfile's top 25 functions")
+    parser.add_argument("--driver-us-per-copy", type=float, default=0.0,
+                        help="batch path: host time the stubbed driver call spends per copy, GIL released (H200 host: ~1.3; "
+                             "emulated by a memset, which also sweeps the caches); 0: our own host work only")
+    parser.add_argument("--profile", action="store_true", help="also print cProfile's top 25 functions of each path and shape")
     add_output_arguments(parser)
 
 
-def _build(args: argparse.Namespace) -> tuple[Any, Callable[[], tuple[list, list[int]]]]:
-    """An engine over an untouched pool of three operations' blocks, and a batch maker."""
+@dataclass
+class Rig:
+    engine: Any
+    batches: list[tuple[list, list[int]]]
+    held: tuple[list, list[int]]
+    tokens: int
+
+
+def _build(layers: int, heads: int, dim: int, tpb: int, args: argparse.Namespace, mover: Any, streams: Any) -> Rig:
+    """An engine over an untouched pool of three operations' blocks, its arena filled once over
+    (so that every timed store evicts), and the timed operations' keys and block ids."""
     import torch
 
     from kvdepot.config import load_config
     from kvdepot.engine import CacheEngine
     from kvdepot.layout import PoolLayout
 
-    moved = args.tokens // args.tokens_per_block
-    elems = args.kv_heads * args.tokens_per_block * args.head_dim
-    pool = torch.empty((moved * 3, args.layers, 2, elems), dtype=torch.bfloat16)
+    moved = args.blocks - args.blocks % (args.chunk_size // tpb)
+    pool = torch.empty((moved * 3, layers, 2, heads * tpb * dim), dtype=torch.bfloat16)
     op_bytes = moved * pool[0].numel() * pool.element_size()
     config = load_config(chunk_size=args.chunk_size, host_capacity_gb=(3 * op_bytes + 1) / 1e9, pin_host_memory="false")
-    layout = PoolLayout.from_pool(pool, args.tokens_per_block, args.chunk_size)
-    engine = CacheEngine(layout, config, mover=NullMover())
+    layout = PoolLayout.from_pool(pool, tpb, args.chunk_size)
+    engine = CacheEngine(layout, config, mover=mover, streams=streams)
     engine.register_pool(pool)
     rng, counter = random.Random(0), iter(range(1 << 40))
 
     def batch() -> tuple[list, list[int]]:
-        tokens = [next(counter) % 100_000 for _ in range(args.tokens)]
+        tokens = [next(counter) % 100_000 for _ in range(moved * tpb)]
         return engine.chunk_keys(tokens), rng.sample(range(pool.shape[0]), moved)
 
-    return engine, batch
-
-
-def measure(args: argparse.Namespace, profiler: cProfile.Profile | None = None) -> dict[str, list[float]]:
-    """Microseconds per call of each kind, one sample per repetition."""
-    engine, batch = _build(args)
-    chunks = args.tokens // args.chunk_size
-    batches = [batch() for _ in range(4 + args.reps)]
-    times: dict[str, list[float]] = {"store": [], "lookup": [], "lookup+lease": [], "retrieve": []}
-
-    def store(keys: list, ids: list[int]) -> None:
-        if engine.store(keys, ids).chunks != chunks:  # a dropped store would time as free
-            raise RuntimeError("store placed fewer chunks than asked: the arena did not evict")
-
+    batches = [batch() for _ in range(4 + 2 * args.reps)]
     for keys, ids in batches[:4]:  # fill the arena once over: every timed store evicts
-        store(keys, ids)
-    held, held_ids = batches[3]
-    if profiler:
-        profiler.enable()
-    for n, (keys, ids) in enumerate(batches[4:]):
+        engine.store(keys, ids).wait()
+    return Rig(engine, batches[4:], batches[3], moved * tpb)
+
+
+def _store(rig: Rig, n: int) -> Any:
+    keys, ids = rig.batches[n]
+    handle = rig.engine.store(keys, ids)
+    if handle.chunks != len(keys):  # a dropped store would time as free
+        raise RuntimeError("store placed fewer chunks than asked: the arena did not evict")
+    return handle
+
+
+def _retrieve(rig: Rig, lease: int) -> None:
+    keys, ids = rig.held
+    if rig.engine.retrieve(keys, ids, num_blocks=len(ids), lease=lease) != rig.tokens:
+        raise RuntimeError("retrieve loaded fewer tokens than held")
+
+
+def _bookkeeping(rig: Rig, reps: int) -> dict[str, list[float]]:
+    """Microseconds per call of each kind, one sample per repetition (a mover that copies nothing)."""
+    engine, held = rig.engine, rig.held[0]
+    times: dict[str, list[float]] = {"store": [], "lookup": [], "lookup+lease": [], "retrieve": []}
+    for n in range(reps):
         t0 = time.perf_counter()
-        store(keys, ids)
+        _store(rig, n)
         t1 = time.perf_counter()
         engine.lookup(held)  # as bench transfer does; also keeps ``held`` recently used
         t2 = time.perf_counter()
         engine.lookup(held, lease=n)  # as the adapters do: pin until the load
         t3 = time.perf_counter()
-        got = engine.retrieve(held, held_ids, num_blocks=len(held_ids), lease=n)
+        _retrieve(rig, n)
         t4 = time.perf_counter()
-        if got != args.tokens:
-            raise RuntimeError(f"retrieve loaded {got} of {args.tokens} tokens")
         for name, t in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
             times[name].append(t * 1e6)
-    if profiler:
-        profiler.disable()
+    return times
+
+
+def _batch(rig: Rig, reps: int, stamps: Stamps) -> dict[str, list[tuple[float, float, float]]]:
+    """Per op, (call returned, first driver call entered, last one left) in us from the call."""
+    engine, held = rig.engine, rig.held[0]
+    out: dict[str, list[tuple[float, float, float]]] = {"store": [], "retrieve": [], "both: store": [], "both: retrieve": []}
+    for n in range(reps):
+        stamps.calls.clear()
+        t0 = time.perf_counter()
+        handle = _store(rig, 2 * n)
+        t1 = time.perf_counter()
+        handle.wait()
+        out["store"].append(((t1 - t0) * 1e6, (stamps.first(True) - t0) * 1e6, (stamps.last(True) - t0) * 1e6))
+        engine.lookup(held, lease=n)
+        stamps.calls.clear()
+        t0 = time.perf_counter()
+        _retrieve(rig, n)
+        t1 = time.perf_counter()
+        out["retrieve"].append(((t1 - t0) * 1e6, (stamps.first(False) - t0) * 1e6, (stamps.last(False) - t0) * 1e6))
+        # Both at once, as bench transfer's row: a store, then a load right behind it.
+        engine.lookup(held, lease=("both", n))
+        stamps.calls.clear()
+        t0 = time.perf_counter()
+        handle = _store(rig, 2 * n + 1)
+        t1 = time.perf_counter()
+        _retrieve(rig, ("both", n))  # type: ignore[arg-type]
+        t2 = time.perf_counter()
+        handle.wait()
+        out["both: store"].append(((t1 - t0) * 1e6, (stamps.first(True) - t0) * 1e6, (stamps.last(True) - t0) * 1e6))
+        out["both: retrieve"].append(((t2 - t0) * 1e6, (stamps.first(False) - t0) * 1e6, (stamps.last(False) - t0) * 1e6))
+    return out
+
+
+def _check_idle(engine: Any) -> None:
     stats = engine.stats()
     if stats.live_leases or stats.pinned_chunks or stats.inflight_transfers:
         raise RuntimeError(f"leftover leases/pins/transfers: {stats}")
     engine.close()
-    return times
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    report = Report(args, steps=1, name="bench bookkeeping", bars=Bars(("call",), ("median us", "p90 us"), "us per call"))
-    blocks, chunks = args.tokens // args.tokens_per_block, args.tokens // args.chunk_size
-    report.table(f"kvdepot bench bookkeeping — host time per call, no copies: {args.tokens} tokens = {chunks} chunks = "
-                 f"{blocks} blocks per op (L{args.layers} H{args.kv_heads} D{args.head_dim} tpb{args.tokens_per_block}), "
-                 f"{args.reps} reps", call=12)
-    profiler = cProfile.Profile() if args.profile else None
-    with report.step("store / lookup / retrieve"):
-        times = measure(args, profiler)
-    for name, values in times.items():
-        q = statistics.quantiles(values, n=10)
-        report.add({"call": name, "median us": statistics.median(values), "p10 us": q[0], "p90 us": q[-1],
-                    "us per chunk": statistics.median(values) / chunks})
-    if profiler:
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    shapes = [(m, int(t)) for m in args.models.split(",") for t in args.tokens_per_block.split(",")]
+    paths = args.paths.split(",")
+    report = Report(args, steps=len(shapes) * len(paths), name="bench bookkeeping",
+                    bars=Bars(("shape", "path", "op"), ("call us", "first copy us", "all issued us"), "us per call"))
+    report.note(f"kvdepot bench bookkeeping — host time per operation of {args.blocks} blocks, no copies (CPU), "
+                f"{args.reps} reps, medians in us from the call: 'call' until it returned, 'first copy' until the "
+                "first (stubbed) driver call, 'all issued' until the last one returned")
+    report.table("", shape=16, path=11, op=14)
+    for model, tpb in shapes:
+        layers, heads, dim = MODELS[model]
+        shape = f"L{layers} H{heads} D{dim} tpb{tpb}"
+        for path in paths:
+            profiler = cProfile.Profile() if args.profile else None
+            with report.step(f"{shape} {path}"):
+                rows = _measure(path, (layers, heads, dim, tpb), args, profiler)
+            for op, call, first, issued in rows:
+                report.add({"shape": shape, "path": path, "op": op, "call us": call, "first copy us": first,
+                            "all issued us": issued})
+            if profiler:
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return report.finish()
+
+
+def _measure(path: str, shape: tuple[int, int, int, int], args: argparse.Namespace,
+             profiler: cProfile.Profile | None) -> list[tuple[str, float, float, float]]:
+    """Rows (op, call us, first copy us, all issued us) of one path and shape (NaN: not a copy)."""
+    from kvdepot.transfer.streams import CUDA, ImmediateStreams
+
+    nan = float("nan")
+    if path == "bookkeeping":  # inline, as on CPU: the copies' hand-off is the batch path's
+        rig = _build(*shape, args, NullMover(), CUDA)
+        with _profiling(profiler):
+            times = _bookkeeping(rig, args.reps)
+        _check_idle(rig.engine)
+        return [(op, statistics.median(values), nan, nan) for op, values in times.items()]
+    if path != "batch":
+        raise SystemExit(f"unknown path {path!r}: expected bookkeeping or batch")
+    from kvdepot.transfer import BatchBlockMover
+
+    stamps = Stamps()
+    driver = StubDriver(stamps, args.driver_us_per_copy)
+    rig = _build(*shape, args, BatchBlockMover(driver=driver), ImmediateStreams())
+    view = rig.engine._views[0]
+    driver.pool = (view.data_ptr(), view.data_ptr() + view.numel())
+    with _profiling(profiler):
+        samples = _batch(rig, args.reps, stamps)
+    _check_idle(rig.engine)
+    return [(op, *(statistics.median(s[i] for s in values) for i in range(3))) for op, values in samples.items()]
+
+
+@contextlib.contextmanager
+def _profiling(profiler: cProfile.Profile | None) -> Iterator[None]:
+    if profiler:
+        profiler.enable()
+    try:
+        yield
+    finally:
+        if profiler:
+            profiler.disable()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -55,6 +55,11 @@ from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --dis
     bookkeeping) python3 -m kvdepot.cli bench bookkeeping 2>&1 | tee "$OUT/bookkeeping.txt" ;;
     tp) KVD_BENCH_SERVER_LOG=$OUT/tp_server.log python3 -m kvdepot.cli bench tp --device cuda --reps 9 2>&1 | tee "$OUT/tp.txt"
         tail -20 "$OUT/tp_server.log" ;;
+    issue19) # 256-block operations per shape: the store head off/on, one or two lanes, in one process each
+      for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "--layers 16 --head-dim 64 --tokens-per-block 8"; do
+        python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 $shape --store-head-mib ${HEADS:-0,16} --lanes ${LANES:-1,2}
+      done 2>&1 | tee "$OUT/issue19.txt"
+      python3 -m kvdepot.cli bench bookkeeping 2>&1 | tee "$OUT/bookkeeping.txt" ;;
     uva|hybrid|batch) echo "step $step was retired with tools/uva_probe.py (issue 15): see docs/perf-notes.md" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -3,12 +3,19 @@
 Pool: Llama-3-8B-shaped by default (32 layers, 8 KV heads, head_dim 128, 32 tokens per block,
 bf16 — 4 MiB blocks) in TensorRT-LLM's layout. Blocks are picked in random order, so no two
 are adjacent: the path is measured the way a real prefix lands in a fragmented pool.
+
+``--store-head-mib`` and ``--lanes`` take lists: the batch mover is then measured once per
+combination, one after the other in the same process (config ``store_head_mib``: 0 = the store
+issuer enqueues all of a store, as before issue 19; ``transfer_lanes``: 2 = windows alternate
+over two streams), each row paired with its own plain copies.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
+import time
 
 import torch
 
@@ -38,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=int, default=None, help="blocks moved per operation (overrides --tokens)")
     parser.add_argument("--reps", type=int, default=9, help="timed operations of each kind, each paired with a plain copy")
     parser.add_argument("--mover", choices=sorted(MOVERS) + ["all"], default="all", help="transfer path(s) to measure")
+    parser.add_argument("--store-head-mib", default=None,
+                        help="batch mover: config store_head_mib values to compare, comma-separated (default: the config's)")
+    parser.add_argument("--lanes", default=None,
+                        help="batch mover: config transfer_lanes values to compare, comma-separated (default: the config's)")
     parser.add_argument("--timeline", action="store_true",
                         help="also attribute one store and one retrieve: CPU lead-in, copy-engine busy time, gaps (CUDA)")
     add_output_arguments(parser)
@@ -46,15 +57,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 STEPS_CUDA, STEPS_CPU = 7, 4  # measurements per mover (the bar's steps)
 
 
+def _variants(args: argparse.Namespace, mover: str) -> list[dict[str, float]]:
+    """Config overrides to measure ``mover`` with: every combination of the listed values for
+    the batch mover (its store head and lanes), none for the others (they use neither)."""
+    if mover != "batch":
+        return [{}]
+    heads = [float(v) for v in args.store_head_mib.split(",")] if getattr(args, "store_head_mib", None) else [None]
+    lanes = [int(v) for v in args.lanes.split(",")] if getattr(args, "lanes", None) else [None]
+    return [{k: v for k, v in (("store_head_mib", h), ("transfer_lanes", n)) if v is not None} for h in heads for n in lanes]
+
+
+def _label(mover: str, variant: dict[str, float]) -> str:
+    parts = [f"head {variant['store_head_mib']:g}" if "store_head_mib" in variant else "",
+             f"lanes {variant['transfer_lanes']}" if "transfer_lanes" in variant else ""]
+    return " ".join([mover, *(p for p in parts if p)])
+
+
 def run(args: argparse.Namespace) -> list[dict]:
     device = torch.device(args.device)
     names = sorted(MOVERS) if args.mover == "all" else [args.mover]
-    report = Report(args, steps=len(names) * (STEPS_CUDA if device.type == "cuda" else STEPS_CPU), device=device,
+    runs = [(name, variant) for name in names for variant in _variants(args, name)]
+    report = Report(args, steps=len(runs) * (STEPS_CUDA if device.type == "cuda" else STEPS_CPU), device=device,
                     bars=Bars(("mover", "op"), ("GB/s", "memcpy GB/s"), "GB/s"), name="bench transfer")
     if device.type != "cuda":
         report.note("(CPU: the both-directions rows and the compute-share row need two copy engines and SMs; not measured)")
-    report.table(f"kvdepot bench transfer — {device_name(device)}", op=22)
-    timelines = [(name, _run_one(args, name, report)) for name in names]
+    report.table(f"kvdepot bench transfer — {device_name(device)}", mover=22, op=22)
+    timelines = [(_label(name, variant), _run_one(args, name, report, variant)) for name, variant in runs]
     if any(t for _, t in timelines):
         report.table("timeline of one call (ms; --timeline)", op=8)
         for name, timeline in timelines:
@@ -63,9 +91,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     return report.finish()
 
 
-def _run_one(args: argparse.Namespace, mover: str, report: Report) -> dict[str, dict[str, float]]:
-    """Measure one mover, adding each row to ``report`` as soon as it is measured; returns the
-    ``--timeline`` attribution (empty without it)."""
+def _run_one(args: argparse.Namespace, mover: str, report: Report,
+             variant: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+    """Measure one mover (with ``variant``'s config overrides), adding each row to ``report`` as
+    soon as it is measured; returns the ``--timeline`` attribution (empty without it)."""
+    variant = variant or {}
+    label = _label(mover, variant)
     device = torch.device(args.device)
     chunk_blocks = args.chunk_size // args.tokens_per_block
     tokens = getattr(args, "tokens", None) or (8192 if device.type == "cuda" else 1024)
@@ -78,7 +109,8 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report) -> dict[str, 
     nbytes = moved * block_bytes
     # Room for three batches: after the warm-up the arena is fully allocated and stores evict,
     # which is the steady state of a busy cache (first-fill pinning is not a transfer cost).
-    config = load_config(chunk_size=args.chunk_size, host_capacity_gb=(3 * nbytes + 1) / 1e9, transfer_mover=mover)
+    config = load_config(chunk_size=args.chunk_size, host_capacity_gb=(3 * nbytes + 1) / 1e9, transfer_mover=mover,
+                         **variant)
     engine = CacheEngine.for_pool(pool, args.tokens_per_block, config)
     engine.wait_arena()
     rng = random.Random(0)
@@ -95,8 +127,12 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report) -> dict[str, 
     # (``bench lookup``), not the transfer's.
     batches = [(fresh_keys(), ids()) for _ in range(4 + 6 * args.reps + 16)]
 
+    calls: list[float] = []  # seconds the caller spent in the engine's calls, per timed operation
+
     def store(count: int = 1) -> None:
+        t0 = time.perf_counter()
         pending = [(engine.store(keys, block_ids), keys) for keys, block_ids in batches[-count:]]
+        calls.append(time.perf_counter() - t0)
         del batches[-count:]
         for handle, keys in pending:
             handle.wait()
@@ -104,30 +140,35 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report) -> dict[str, 
                 raise RuntimeError(f"store placed {handle.chunks} of {len(keys)} chunks")
 
     shape = f"L{args.layers} H{args.kv_heads} D{args.head_dim} tpb{args.tokens_per_block}"
-    common = {"mover": mover, "shape": shape, "block MiB": block_bytes / 2**20, "blocks": moved, "pinned": engine.host.pin_memory}
+    common = {"mover": label, "shape": shape, "block MiB": block_bytes / 2**20, "blocks": moved, "pinned": engine.host.pin_memory}
 
     def add(op: str, moved_bytes: int, op_s: float, copy_s: float, ratio: float) -> None:
+        # call us: the host time of the engine's calls (what a step loop spends on them), median.
+        call_us = statistics.median(calls) * 1e6 if calls else float("nan")
+        calls.clear()
         report.add({**common, "op": op, "GB/s": moved_bytes / op_s / 1e9, "memcpy GB/s": moved_bytes / copy_s / 1e9,
-                    "ratio": ratio})
+                    "ratio": ratio, "call us": call_us})
 
-    with report.step(f"{mover}: fill the arena"):
+    with report.step(f"{label}: fill the arena"):
         for _ in range(4):  # fill the arena once over
             store()
+    calls.clear()
     copies = Memcpy(nbytes, device)  # each timed operation is paired with a plain copy of its bytes
-    with report.step(f"{mover}: store"):
+    with report.step(f"{label}: store"):
         store_s, d2h_s, store_ratio = paired_seconds(store, copies.d2h, device, args.reps, warmup=0)
     add("store", nbytes, store_s, d2h_s, store_ratio)
     # Two stores in flight at once (a step that stores two requests): throughput rather than the
     # latency of one, which includes the hand-off to the engine's issuer thread.
-    with report.step(f"{mover}: 2 stores at once"):
+    with report.step(f"{label}: 2 stores at once"):
         two_s, two_d2h_s, two_ratio = paired_seconds(lambda: store(2), lambda: (copies.d2h(), copies.d2h()),
                                                      device, args.reps, warmup=0)
     add("2 stores at once", 2 * nbytes, two_s, two_d2h_s, two_ratio)
     # What one store costs a matmul running beside it (kernels occupy SMs; copy engines none).
     share = None
     if device.type == "cuda":
-        with report.step(f"{mover}: compute beside a store"):
+        with report.step(f"{label}: compute beside a store"):
             share = compute_share(store, store_s, device)
+    calls.clear()
     held = fresh_keys()
     engine.store(held, ids()).wait()
 
@@ -138,9 +179,11 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report) -> dict[str, 
     def retrieve() -> None:
         # A lookup precedes every load, as in an engine: it is also what keeps ``held`` recently used.
         engine.lookup(held)
+        t0 = time.perf_counter()
         load_held(batches[-1][1])
+        calls.append(time.perf_counter() - t0)
 
-    with report.step(f"{mover}: retrieve"):
+    with report.step(f"{label}: retrieve"):
         load_s, h2d_s, load_ratio = paired_seconds(retrieve, copies.h2d, device, args.reps)
     add("retrieve", nbytes, load_s, h2d_s, load_ratio)
 
@@ -152,24 +195,27 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report) -> dict[str, 
         taken = batches[-pairs:]
         del batches[-pairs:]
         engine.lookup(held)
+        t0 = time.perf_counter()
         handles = [engine.store(keys, block_ids) for keys, block_ids in taken]
         for _keys, block_ids in batches[-pairs:]:
             load_held(block_ids)
+        calls.append(time.perf_counter() - t0)
         for handle in handles:
             handle.wait()
 
     if copies.both is not None:  # CUDA: two copy engines
         both_copy = copies.both
-        with report.step(f"{mover}: both at once"):
+        with report.step(f"{label}: both at once"):
             both_s, bidir_s, both_ratio = paired_seconds(both, both_copy, device, args.reps)
         add("both at once", 2 * nbytes, both_s, bidir_s, both_ratio)
-        with report.step(f"{mover}: both, 2 each in flight"):
+        with report.step(f"{label}: both, 2 each in flight"):
             both2_s, bidir2_s, both2_ratio = paired_seconds(lambda: both(2), lambda: (both_copy(), both_copy()),
                                                             device, args.reps)
         add("both, 2 each in flight", 4 * nbytes, both2_s, bidir2_s, both2_ratio)
     if share is not None:
         # ratio here: matmul throughput beside a store over alone (1.0 = the store costs compute nothing)
-        report.add({**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share})
+        report.add({**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share,
+                    "call us": float("nan")})
     timeline = {}
     if getattr(args, "timeline", False) and device.type == "cuda":
         timeline = {"retrieve": gpu_timeline(retrieve), "store": gpu_timeline(store)}  # a store evicts

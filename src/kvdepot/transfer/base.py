@@ -17,6 +17,12 @@ Primitives (all enqueue on the *current* CUDA stream for CUDA pools; synchronous
                                             a load, one layer per step; only movers that declare
                                             ``copies_by_layer`` split it (the others load whole at
                                             the first step, which is still correct)
+    prepare_gather(views, copies) -> Move   a store enqueued in two parts: ``head(max_bytes)``
+                                            its first copies, then ``rest()`` all the others,
+                                            maybe on two threads in turn (the engine's caller,
+                                            then its store issuer), with the same stream
+                                            current; movers that cannot split enqueue nothing
+                                            in ``head`` and everything in ``rest``
 Declared capabilities (never probed): ``copies_by_layer`` and ``refused`` (batched copies the
 driver refused so far, each redone another way; 0 for movers that never batch).
 Postconditions: exactly the listed blocks are read or written, in list order; no other byte
@@ -25,12 +31,10 @@ of the pool is touched. Callers validate block ids before calling.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain
 from typing import Protocol
 
-import numpy as np
 import torch
 
 
@@ -41,6 +45,18 @@ class ChunkCopy:
     block_ids: Sequence[int]
     host: torch.Tensor  # 1-D uint8 chunk buffer, view-major
     first: int = 0
+
+
+class Move(Protocol):
+    """A gather prepared to be enqueued in two parts (``BlockMover.prepare_gather``), on two
+    threads in turn: ``head(max_bytes)`` enqueues about ``max_bytes`` of the first copies (maybe
+    none) and never raises (a failure is kept for ``rest``); ``rest()``, called once after
+    ``head`` has returned (or without it), enqueues every copy not enqueued yet and raises what
+    either part could not enqueue. Each on the current stream of its thread, the same stream."""
+
+    def head(self, max_bytes: int) -> None: ...
+
+    def rest(self) -> None: ...
 
 
 class BlockMover(Protocol):
@@ -74,12 +90,33 @@ class BlockMover(Protocol):
         block on the current stream and yields ``l``."""
         ...
 
+    def prepare_gather(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> Move:
+        """``gather_many``, to be enqueued in parts (a store: the caller's thread may start it)."""
+        ...
+
+
+class WholeMove:
+    """A ``Move`` that does it all in ``rest``: for movers whose copies cannot be split."""
+
+    def __init__(self, move: Callable[[], None]) -> None:
+        self._move = move
+
+    def head(self, max_bytes: int) -> None:
+        pass
+
+    def rest(self) -> None:
+        self._move()
+
 
 class WholeLoads:
     """The capabilities of a mover that neither splits loads by layer nor batches driver calls."""
 
     copies_by_layer = False
     refused = 0
+
+    def prepare_gather(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> Move:
+        """All of the store in ``rest`` (on the engine's issuer thread)."""
+        return WholeMove(lambda: self.gather_many(views, copies))  # type: ignore[attr-defined]
 
     def scatter_layers(self, copies: Sequence[ChunkCopy], views: Sequence[torch.Tensor], num_layers: int) -> Iterator[int]:
         """The whole load at the first step: every layer is in once layer 0 is."""
@@ -155,31 +192,3 @@ def block_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
         else:
             runs.append((pos, bid, 1))
     return runs
-
-
-def block_addresses(
-    views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]
-) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-    """Per pool view: ``(segment bytes, pool addresses, host addresses, host allocations)`` of
-    every listed block; the last array names each block's host allocation (its storage's base
-    address), so that callers never join two allocations that merely lie back to back.
-
-    Block ``copies[k].block_ids[i]`` of view ``v`` lives at ``view.data_ptr() + id * stride`` in
-    the pool, and at position ``first + i`` of view ``v``'s region of the chunk's view-major host
-    buffer (``view_regions``). Pure address arithmetic, vectorised over all chunks, for movers
-    that hand a driver one list of copies instead of making a tensor per copy."""
-    per_block = sum(v.shape[1] for v in views)
-    n = len(copies)
-    counts = np.fromiter((len(c.block_ids) for c in copies), np.int64, n)
-    total = int(counts.sum())
-    ids = np.fromiter(chain.from_iterable(c.block_ids for c in copies), np.int64, total)
-    starts = np.cumsum(counts) - counts
-    position = np.arange(total, dtype=np.int64) + np.repeat(np.fromiter((c.first for c in copies), np.int64, n) - starts, counts)
-    host = np.repeat(np.fromiter((c.host.data_ptr() for c in copies), np.int64, n), counts)
-    allocation = np.repeat(np.fromiter((c.host.untyped_storage().data_ptr() for c in copies), np.int64, n), counts)
-    slot_blocks = np.repeat(np.fromiter((c.host.numel() // per_block for c in copies), np.int64, n), counts)
-    prefix = 0
-    for view in views:
-        seg = view.shape[1]
-        yield seg, view.data_ptr() + ids * view.stride(0), host + prefix * slot_blocks + position * seg, allocation
-        prefix += seg

@@ -2,15 +2,23 @@
 
 The per-run mover (``runs``) issues each copy from Python; the staged mover gathers blocks into
 a device window first so that it has few copies to issue. This mover builds every copy's
-addresses with numpy (``base.block_addresses``), merges blocks that are adjacent in both the
-pool and the host buffer into one copy, and enqueues a window's copies with a single
-``cuMemcpyBatchAsync`` (``cuda_batch``). No staging memory, no kernels, no SMs: copy engines only.
+addresses with numpy (``plan.copy_list``: the pool's side fixed at registration), merges blocks
+that are adjacent in both the pool and the host buffer into one copy, and enqueues a window's
+copies with a single ``cuMemcpyBatchAsync`` (``cuda_batch``). No staging memory, no kernels, no
+SMs: copy engines only.
 
 Windows keep the first copies running while later windows are handed over: the first is small
 (2 MiB) so that the copy engines start at once, and they double up to 64 MiB (``window_bounds``).
 Measured on the H200 (perf-notes, runs O and Q): the best mover from 256 KiB blocks up, with no SMs
 taken from the forward; ``auto`` picks it wherever the driver has the call. ``scatter_layers``
 loads a cross-layer pool one layer at a time, for TensorRT-LLM's ``wait_for_layer_load``.
+
+A store is prepared as a ``Move`` (``prepare_gather``): the engine's calling thread enqueues its
+first windows (``head``, a few MiB) and only then hands it to its store issuer, which enqueues
+the rest (``rest``) — the copy engines start without waiting for a sleeping thread to wake, and
+they have the head to copy while it does (``inflight.py``). ``lanes`` > 1 alternates windows over that many
+streams (the caller's and lanes joined back into it): an experiment in letting two copy engines
+overlap each copy's fixed cost, for small copies (issue 19; ``kvdepot bench transfer --lanes``).
 
 Falls back to the per-run torch copies where the batch call cannot be used: CPU pools, a caller
 on the legacy default stream, host buffers that are not pinned (torch copies those correctly,
@@ -21,38 +29,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from kvdepot.transfer import cuda_batch
-from kvdepot.transfer.base import ChunkCopy, OneChunk, block_addresses
+from kvdepot.transfer.base import ChunkCopy, OneChunk
+from kvdepot.transfer.cuda_batch import CUDA_DRIVER, BatchDriver
+from kvdepot.transfer.plan import CopyList, block_addresses, copy_list, plan_of
 from kvdepot.transfer.torch_mover import TorchBlockMover
 
 WINDOW_BYTES = 64 << 20
 FIRST_WINDOW_BYTES = 2 << 20
 logger = logging.getLogger("kvdepot")
-
-
-def copy_runs(views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(pool addresses, host addresses, sizes)``: one entry per maximal run of listed block
-    segments that follow each other both in the pool and in the host buffers (one contiguous
-    span on each side), over all views in order.
-
-    A run never crosses from one allocation into another, even where two lie back to back in
-    the address space (pinned arena segments often do): the driver refuses such a copy
-    (CUDA_ERROR_INVALID_VALUE, seen on the H200 as dropped stores in the MP server)."""
-    parts = []
-    for v, (seg, pool, host, host_alloc) in enumerate(block_addresses(views, copies)):
-        pool_alloc = np.full(len(pool), views[v].untyped_storage().data_ptr(), dtype=np.int64)
-        parts.append((pool, host, np.full(len(pool), seg, dtype=np.int64), pool_alloc, host_alloc))
-    pool, host, size, pool_alloc, host_alloc = (np.concatenate(column) for column in zip(*parts, strict=True))
-    if not len(pool):
-        return pool, host, size
-    breaks = np.flatnonzero((pool[:-1] + size[:-1] != pool[1:]) | (host[:-1] + size[:-1] != host[1:])
-                            | (pool_alloc[:-1] != pool_alloc[1:]) | (host_alloc[:-1] != host_alloc[1:])) + 1
-    starts = np.concatenate(([0], breaks))
-    return pool[starts], host[starts], np.add.reduceat(size, starts)
 
 
 def window_bounds(sizes: np.ndarray, window_bytes: int, first_bytes: int | None = None) -> list[tuple[int, int]]:
@@ -66,18 +55,27 @@ def window_bounds(sizes: np.ndarray, window_bytes: int, first_bytes: int | None 
     stores 0.75 -> 0.84 of memcpy, loads 0.81 -> 0.90). A small first window starts
     them at once; each next window is issued while the previous, half its size, is copied, and a
     copy takes longer than its issue (~4.7 us for 256 KiB at PCIe speed)."""
-    if not len(sizes):
+    return _bounds(np.cumsum(sizes), window_bytes, first_bytes)
+
+
+def _bounds(ends: np.ndarray, window_bytes: int, first_bytes: int | None) -> list[tuple[int, int]]:
+    """``window_bounds`` of copies ending at ``ends`` bytes from the start of the move."""
+    if not len(ends):
         return []
-    first = min(first_bytes or window_bytes, window_bytes)
-    ends = np.cumsum(sizes) - 1  # each copy's last byte, counted from the start of the move
-    edges, edge, step = [], 0, first  # cumulative byte offsets at which windows end
-    while edge <= ends[-1]:
+    total = int(ends[-1])
+    edges, edge, step = [], 0, min(first_bytes or window_bytes, window_bytes)  # where windows end
+    while edge < total:
         edge += step
         edges.append(edge)
         step = min(2 * step, window_bytes)
-    window = np.searchsorted(np.asarray(edges, dtype=np.int64), ends, side="right")
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(window)) + 1, [len(sizes)]))
-    return [(int(lo), int(hi)) for lo, hi in zip(starts[:-1], starts[1:], strict=True)]
+    out, lo = [], 0
+    for hi in np.searchsorted(ends, edges, side="right").tolist():  # copies ending by each edge
+        if hi > lo:
+            out.append((lo, hi))
+            lo = hi
+    if lo < len(ends):
+        out.append((lo, len(ends)))
+    return out
 
 
 class BatchBlockMover(OneChunk):
@@ -85,40 +83,30 @@ class BatchBlockMover(OneChunk):
 
     copies_by_layer = True
 
-    def __init__(self, window_bytes: int = WINDOW_BYTES, first_window_bytes: int | None = FIRST_WINDOW_BYTES) -> None:
-        """``first_window_bytes``: the first window's size (doubling up to ``window_bytes``); None: all equal."""
+    def __init__(self, window_bytes: int = WINDOW_BYTES, first_window_bytes: int | None = FIRST_WINDOW_BYTES, *,
+                 lanes: int = 1, driver: BatchDriver = CUDA_DRIVER) -> None:
+        """``first_window_bytes``: the first window's size (doubling up to ``window_bytes``); None:
+        all equal. ``lanes``: streams a move's windows alternate on (config ``transfer_lanes``).
+        ``driver``: the device's side of it (``cuda_batch.CudaDriver``; tests and CPU benches pass
+        another)."""
+        if lanes < 1:
+            raise ValueError(f"lanes={lanes} must be >= 1")
         self.window_bytes = window_bytes
         self.first_window_bytes = first_window_bytes
+        self.lanes = lanes
+        self.driver = driver
         self.refused = 0  # batches the driver refused (each then copied by torch)
         self._fallback = TorchBlockMover()
 
     def gather_many(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> None:
-        self._move(views, copies, to_host=True)
+        _BatchMove(self, views, copies, to_host=True).rest()
 
     def scatter_many(self, copies: Sequence[ChunkCopy], views: Sequence[torch.Tensor]) -> None:
-        self._move(views, copies, to_host=False)
+        _BatchMove(self, views, copies, to_host=False).rest()
 
-    def _move(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy], *, to_host: bool) -> None:
-        stream = self._stream(views, copies)
-        if stream is not None:
-            # Addresses for the whole batch in one pass, then one driver call per window: built
-            # window by window they cost 2-8x the host time (numpy's per-call overhead, 16
-            # windows per GiB at 4 MiB blocks), and a store and a load share one GIL.
-            pool, host, sizes = copy_runs(views, copies)
-            src, dst = (pool, host) if to_host else (host, pool)
-            try:
-                for lo, hi in window_bounds(sizes, self.window_bytes, self.first_window_bytes):
-                    cuda_batch.memcpy_batch(dst[lo:hi], src[lo:hi], sizes[lo:hi], stream)
-                return
-            except RuntimeError as exc:
-                self._refused(exc)
-        # Per-run torch copies of the same bytes on the same stream. Also after a refused batch:
-        # the driver checks a batch before it runs any of it, and a block copied twice gets the
-        # same bytes, so the whole move is simply done again, the slow way.
-        if to_host:
-            self._fallback.gather_many(views, copies)
-        else:
-            self._fallback.scatter_many(copies, views)
+    def prepare_gather(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> _BatchMove:
+        """A store whose windows the caller may start (``head``) and the issuer finishes (``rest``)."""
+        return _BatchMove(self, views, copies, to_host=True)
 
     def scatter_layers(self, copies: Sequence[ChunkCopy], views: Sequence[torch.Tensor], num_layers: int) -> Iterator[int]:
         """A load in layer order, one layer per step: each ``next()`` enqueues layer ``l`` of every
@@ -129,18 +117,23 @@ class BatchBlockMover(OneChunk):
         Only for a cross-layer pool (one view whose rows are ``num_layers`` equal parts, layer
         ``l`` the ``l``-th: TensorRT-LLM's ``[block, layer, k|v, …]``); the host rows hold the
         same bytes in the same order, so layer ``l`` of a block is one copy at the same offset on
-        both sides. One driver call per layer, every block's part in it. Anything else, or a call
-        the driver refuses, moves whole at that step (torch copies of the same bytes; a layer
-        already copied gets them again), and the remaining steps enqueue nothing."""
+        both sides. One driver call per layer, every block's part in it, on one stream (lanes are
+        for whole moves). Anything else, or a call the driver refuses, moves whole at that step
+        (torch copies of the same bytes; a layer already copied gets them again), and the
+        remaining steps enqueue nothing."""
         layer = 0
-        stream = self._stream(views, copies)  # every step enqueues here (``LayeredLoad`` keeps one side stream)
-        if stream is not None and len(views) == 1 and views[0].shape[1] % num_layers == 0:
-            ((seg, pool, host, _alloc),) = block_addresses(views, copies)
-            part = seg // num_layers
-            sizes = np.full(len(pool), part, dtype=np.int64)
+        plan = plan_of(views)
+        # Every step enqueues on the stream current at the first (``LayeredLoad`` keeps one side stream).
+        stream = self.driver.stream(views, copies) if plan is not None and plan.views == 1 else None
+        if stream is not None and plan is not None and int(plan.seg[0]) % num_layers == 0:
+            pool, host = block_addresses(plan, copies)
+            table = np.empty((3, len(pool)), dtype=np.int64)
+            table[0], table[1], table[2] = pool, host, int(plan.seg[0]) // num_layers
+            parts = CopyList(table)
             try:
                 for layer in range(num_layers):  # after a refusal, ``layer`` is the one not yielded
-                    cuda_batch.memcpy_batch(pool + layer * part, host + layer * part, sizes, stream)
+                    self.driver.copy(parts, 0, parts.count, stream)
+                    table[:2] += table[2, 0]  # the next layer's parts (the driver has read this call's)
                     yield layer
                 return
             except RuntimeError as exc:
@@ -156,23 +149,79 @@ class BatchBlockMover(OneChunk):
             logger.warning("kvdepot: the driver refused a batched copy (%s); copied with torch instead "
                            "(%d refused so far)", exc, self.refused)
 
-    @staticmethod
-    def _stream(views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> int | None:
-        """The current stream's handle when the batch call can serve this move, else None."""
-        if not views or not views[0].is_cuda or not cuda_batch.available():
-            return None
-        stream = torch.cuda.current_stream(views[0].device).cuda_stream
-        if stream == 0 or not _all_pinned(copies):
-            return None
-        return stream
 
+class _BatchMove:
+    """One gather or scatter, enqueued window by window: all by one thread, or a store's by two
+    in turn — the engine's caller enqueues the first windows (``head``), then hands the store
+    to its issuer thread, which enqueues the others (``rest``). Never both at once: the issuer
+    is woken only after the head has returned, so neither waits for the GIL behind the other
+    within the call (a thread back from a driver call rarely wins the GIL from a busy one).
 
-def _all_pinned(copies: Sequence[ChunkCopy]) -> bool:
-    seen: set[int] = set()
-    for c in copies:
-        storage = c.host.untyped_storage().data_ptr()
-        if storage not in seen:
-            if c.host.is_cuda or not c.host.is_pinned():
-                return False
-            seen.add(storage)
-    return True
+    A window the driver refuses stops the move, and ``rest`` moves it all again with torch: the
+    driver checks a batch before it runs any of it, and a block copied twice gets the same bytes."""
+
+    def __init__(self, mover: BatchBlockMover, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy], *,
+                 to_host: bool) -> None:
+        self._mover, self._views, self._copies, self._to_host = mover, views, copies, to_host
+        self._built = False
+        self._stream: Any = None  # where the windows go (None: torch copies in ``rest``)
+        self._lanes: list[Any] = []  # the stream, then the lanes windows alternate on
+        self._list: CopyList | None = None
+        self._bounds: list[tuple[int, int]] = []
+        self._next = 0  # the next window to enqueue
+        self._refusal: RuntimeError | None = None
+        self._error: BaseException | None = None  # what ``head`` could not do, raised by ``rest``
+
+    def head(self, max_bytes: int) -> None:
+        try:
+            self._build()
+            while self._next < len(self._bounds) and self._refusal is None and (
+                    not self._next or self._list.ends[self._bounds[self._next][1] - 1] <= max_bytes):  # type: ignore[union-attr]
+                self._enqueue()
+        except BaseException as exc:  # NOTE: a thread boundary: ``rest`` raises it on the issuer
+            self._error = exc
+
+    def rest(self) -> None:
+        if self._error is not None:
+            raise self._error
+        try:
+            self._build()
+            while self._next < len(self._bounds) and self._refusal is None:
+                self._enqueue()
+        finally:
+            for lane in self._lanes[1:]:  # the move's stream ends after every lane's windows
+                self._mover.driver.join(self._stream, lane)
+        if self._stream is None or self._refusal is not None:
+            if self._refusal is not None:
+                self._mover._refused(self._refusal)
+            fallback = self._mover._fallback
+            if self._to_host:
+                fallback.gather_many(self._views, self._copies)
+            else:
+                fallback.scatter_many(self._copies, self._views)
+
+    def _build(self) -> None:
+        """The stream, copy list, windows and lanes, once, all set or none: if building raises,
+        the move has no window and the error reaches ``rest``'s caller."""
+        if self._built:
+            return
+        self._built = True
+        mover = self._mover
+        plan = plan_of(self._views)
+        stream = mover.driver.stream(self._views, self._copies) if plan is not None else None
+        if stream is None or plan is None:
+            return
+        listing = copy_list(plan, self._copies, to_host=self._to_host)
+        bounds = _bounds(listing.ends, mover.window_bytes, mover.first_window_bytes)
+        lanes = [stream] + [mover.driver.lane(stream) for _ in range(min(mover.lanes, len(bounds)) - 1)]
+        self._stream, self._list, self._bounds, self._lanes = stream, listing, bounds, lanes
+
+    def _enqueue(self) -> None:
+        """The next window, on its stream (the move's and its lanes in turn)."""
+        lo, hi = self._bounds[self._next]
+        stream = self._lanes[self._next % len(self._lanes)]
+        self._next += 1
+        try:
+            self._mover.driver.copy(self._list, lo, hi, stream)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            self._refusal = exc

@@ -7,19 +7,31 @@ the H200 (the retired ``tools/uva_probe.py --batch``, perf-notes run O; one plai
 one call of 256 copies of 4 MiB reached 0.98 in either direction and 0.96 both at once; 1 MiB
 copies 0.95 and 0.89; 256 KiB copies 0.82 and 0.69 (small copies still cost the engines per copy).
 
-Called through ctypes with numpy arrays as the address lists: cuda-bindings' wrapper wants one
-``CUdeviceptr`` object per address, a Python object per block on the very path this shortens.
-Only the CUDA 13 entry point (``cuMemcpyBatchAsync_v2``, no failure index) is used: it is the one
-measured; on older drivers ``available()`` is False and the engine picks another mover.
+Called through ctypes with pointers into one int64 table (``plan.CopyList``: rows destination,
+source, size), so that a window costs three additions and one foreign call (~1 us of Python):
+cuda-bindings' wrapper wants one ``CUdeviceptr`` object per address, a Python object per block on
+the very path this shortens. Only the CUDA 13 entry point (``cuMemcpyBatchAsync_v2``, no failure
+index) is used: it is the one measured; on older drivers ``available()`` is False and the engine
+picks another mover.
+
+``CudaDriver`` is what the batch mover asks of the device (``BatchDriver``): the stream a move
+goes on, a second stream beside it (lanes), and the call. Tests and CPU benches hand the mover
+another driver (one that copies host memory, or nothing).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from kvdepot.transfer.base import ChunkCopy
+    from kvdepot.transfer.plan import CopyList
 
 _SYMBOL = "cuMemcpyBatchAsync_v2"
 _SRC_ACCESS_ORDER_STREAM = 1  # read the source in stream order (after earlier work on the stream)
@@ -37,6 +49,7 @@ class _Attributes(ctypes.Structure):  # CUmemcpyAttributes
 # One attribute set for every copy of a batch (attrsIdxs = [0]); read-only, shared by all threads.
 _ATTRIBUTES = _Attributes(_SRC_ACCESS_ORDER_STREAM)
 _FIRST_INDEX = (ctypes.c_size_t * 1)(0)
+_ARGS = (ctypes.addressof(_ATTRIBUTES), ctypes.addressof(_FIRST_INDEX))
 
 
 @functools.cache
@@ -50,6 +63,9 @@ def _driver() -> tuple[Any, Any] | None:
     if fn is None:
         return None
     fn.restype = ctypes.c_int
+    # dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream: plain ints, converted in C
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     return fn, lib.cuGetErrorName
 
 
@@ -58,25 +74,101 @@ def available() -> bool:
     return _driver() is not None
 
 
-def memcpy_batch(dst: np.ndarray, src: np.ndarray, sizes: np.ndarray, stream: int) -> None:
-    """Enqueue copies ``src[i] -> dst[i]`` of ``sizes[i]`` bytes on ``stream`` (a raw CUDA stream
-    handle, not the legacy default stream: the driver refuses it). Copies within one batch may
-    run in any order, so no two may overlap; the batch as a whole is ordered on the stream."""
+def memcpy_batch(copies: CopyList, lo: int, hi: int, stream: int) -> None:
+    """Enqueue copies ``lo..hi`` of ``copies`` on ``stream`` (a raw CUDA stream handle, not the
+    legacy default stream: the driver refuses it). Copies within one batch may run in any order,
+    so no two may overlap; the batch as a whole is ordered on the stream. Raises RuntimeError
+    with the driver's error name if it refuses the batch (it checks all of it before running any)."""
     if stream == 0:
         raise ValueError(f"{_SYMBOL} refuses the legacy default stream")
-    arrays = [np.ascontiguousarray(a, dtype=np.uint64) for a in (dst, src, sizes)]
-    count = len(arrays[0])
-    if any(len(a) != count for a in arrays):
-        raise ValueError(f"dst, src and sizes differ in length: {[len(a) for a in arrays]}")
-    if count == 0:
+    if not 0 <= lo <= hi <= copies.count:
+        raise ValueError(f"copies {lo}..{hi} are not within the list's {copies.count}")
+    if hi == lo:
         return
     driver = _driver()
     if driver is None:
         raise RuntimeError(f"this CUDA driver has no {_SYMBOL} (CUDA 13 drivers have it)")
     fn, error_name = driver
-    rc = fn(*(a.ctypes.data_as(ctypes.c_void_p) for a in arrays), ctypes.c_size_t(count),
-            ctypes.byref(_ATTRIBUTES), _FIRST_INDEX, ctypes.c_size_t(1), ctypes.c_void_p(stream))
+    rc = fn(*copies.pointers(lo), hi - lo, *_ARGS, 1, stream)
     if rc != 0:
         name = ctypes.c_char_p()
         error_name(rc, ctypes.byref(name))
         raise RuntimeError(f"{_SYMBOL} failed: {(name.value or b'?').decode()} ({rc})")
+
+
+class BatchDriver(Protocol):
+    """What the batch mover needs of a device."""
+
+    def stream(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> Any | None:
+        """The current stream if the batch call can serve this move on it, else None (then the
+        mover copies with torch)."""
+        ...
+
+    def lane(self, stream: Any) -> Any:
+        """A second stream for moves issued on ``stream`` (made once per stream), ordered after
+        ``stream``'s work so far."""
+        ...
+
+    def join(self, stream: Any, lane: Any) -> None:
+        """Order ``stream``'s later work after ``lane``'s work so far."""
+        ...
+
+    def copy(self, copies: CopyList, lo: int, hi: int, stream: Any) -> None:
+        """Enqueue copies ``lo..hi`` on ``stream``; RuntimeError where the driver refuses them."""
+        ...
+
+
+class CudaDriver:
+    """The batch call on torch's current CUDA stream; lanes are torch streams, one per stream."""
+
+    def __init__(self) -> None:
+        self._lanes: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+        self._lock = threading.Lock()  # a store's issuer and a load's caller make lanes at once
+        self._bound = threading.local()  # devices whose context this thread has made current
+
+    def stream(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> Any | None:
+        if not views or not views[0].is_cuda or not available():
+            return None
+        stream = torch.cuda.current_stream(views[0].device)
+        if stream.cuda_stream == 0 or not _all_pinned(copies):
+            return None
+        return stream
+
+    def lane(self, stream: Any) -> Any:
+        key = (stream.device, stream.cuda_stream)
+        with self._lock:
+            lane = self._lanes.get(key)
+            if lane is None:
+                lane = self._lanes[key] = torch.cuda.Stream(stream.device)
+        lane.wait_stream(stream)
+        return lane
+
+    def join(self, stream: Any, lane: Any) -> None:
+        stream.wait_stream(lane)
+
+    def copy(self, copies: CopyList, lo: int, hi: int, stream: Any) -> None:
+        bound = self._bound.__dict__.setdefault("devices", set())
+        if stream.device not in bound:
+            # NOTE: a driver call needs the device's context current on this thread, which only a
+            # runtime call makes it (a thread's first): without one, a thread that has so far only
+            # set its stream (a store's head, an issuer with nothing to wait for) is refused (run R:
+            # CUresult 1 until each thread had the context bound).
+            stream.query()
+            bound.add(stream.device)
+        memcpy_batch(copies, lo, hi, stream.cuda_stream)
+
+
+CUDA_DRIVER = CudaDriver()
+
+
+def _all_pinned(copies: Sequence[ChunkCopy]) -> bool:
+    """Every host buffer pinned (the batch call's copies run from pinned memory; torch copies
+    pageable memory correctly, synchronously). Once per allocation: a move's slots share a few."""
+    seen: set[int] = set()
+    for c in copies:
+        storage = c.host.untyped_storage().data_ptr()
+        if storage not in seen:
+            if c.host.is_cuda or not c.host.is_pinned():
+                return False
+            seen.add(storage)
+    return True

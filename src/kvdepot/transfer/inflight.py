@@ -1,6 +1,7 @@
 """Copies in flight on CUDA side streams, completed in order by polling their events.
 
-    run(copy, on_done, stream, store=, on_fail=) -> token | None   run now (CPU) or enqueue (CUDA)
+    store(move, on_done, on_fail, stream) -> token | None   run now (CPU) or issue (CUDA)
+    load(copy, on_done, stream) -> token | None             run now (CPU) or enqueue (CUDA)
     start_layered(layers, num_layers, on_done, stream) -> LayeredLoad   a CUDA load, layer by layer
     poll_locked() / poll()        run ``on_done`` of every transfer whose copy has finished
     is_complete(token) / wait_for(token) / wait_all() / close()
@@ -10,14 +11,21 @@ holds no lock of its own but is given the lock that guards what its callbacks to
 engine's, which guards the host tier). ``poll_locked`` expects it held; the others take it.
 
 A CUDA *store* is issued by one background thread (in order): the caller's stream gets an event
-at ``run`` and the issuer makes the store's stream wait for it, so the store still reads exactly
+at ``store`` and the issuer makes the store's stream wait for it, so the store still reads exactly
 what the caller's stream wrote before the call. Issuing a store's copies is host work of ~3.5 ms
 per GiB (the retired ``tools/transfer_anatomy.py``, perf-notes run J; H200 host); done by the caller, it kept the engine's step
 loop busy and held back a load issued right after it (the next step's), which started its copies
-only once the store's were all issued. A *load* is issued by the caller: its caller's stream must
-wait for it, and that wait has to be enqueued before ``run`` returns. A *layered* load is issued
-by whoever waits on it, a few layers at a time (``layered.py``); ``wait_for`` / ``wait_all``
-enqueue what is left of any, so that nothing waits for copies nobody will enqueue.
+only once the store's were all issued. But a thread that sleeps takes time to wake (H200, run R:
+~0.3 ms from the call's return to the issuer's first step), time in which the copy engines sat
+idle: so when the issuer is idle, the caller makes the store's stream wait for its own, enqueues
+the store's first copies itself (``Move.head``, ``head_bytes``: ~14 MiB in three driver calls by
+default, a quarter of a millisecond of copying at PCIe speed) and only then hands the store over,
+which wakes the issuer while the copy engines work on the head; the step loop spends the copy
+list and those few calls on it. A busy issuer gets the store whole (its stream is busy anyway).
+A *load* is issued by the caller: its caller's stream must wait for it, and that wait has to be
+enqueued before ``load`` returns. A *layered* load is issued by whoever waits on it, a few layers
+at a time (``layered.py``); ``wait_for`` / ``wait_all`` enqueue what is left of any, so that
+nothing waits for copies nobody will enqueue.
 """
 
 from __future__ import annotations
@@ -34,7 +42,9 @@ from typing import Any
 
 import torch
 
+from kvdepot.transfer.base import Move
 from kvdepot.transfer.layered import LAYERS_AHEAD, LayeredLoad
+from kvdepot.transfer.streams import CUDA, StreamKit
 
 logger = logging.getLogger("kvdepot")
 
@@ -65,61 +75,75 @@ class _Transfer:
 class InflightTransfers:
     """The engine's side streams, its store issuer and its FIFO of transfers, oldest first."""
 
-    def __init__(self, lock: AbstractContextManager[Any], layers_ahead: int = LAYERS_AHEAD) -> None:
+    def __init__(self, lock: AbstractContextManager[Any], layers_ahead: int = LAYERS_AHEAD,
+                 kit: StreamKit = CUDA, head_bytes: int = 0) -> None:
         self._lock = lock  # the owner's: guards the FIFO and what the callbacks touch
         self.layers_ahead = layers_ahead  # config load_layers_ahead
+        self.kit = kit  # streams and events: CUDA's, or a CPU bench's or test's (``streams.py``)
+        self.head_bytes = head_bytes  # config store_head_mib: what a caller may enqueue of a store
         self.streams: tuple[Any, ...] | None = None  # None: CPU pool, copies run inline
         self.inflight: deque[_Transfer] = deque()
         self._tokens = itertools.count(1)
-        self._issues: queue.SimpleQueue[tuple[_Transfer, Callable[[], None], Any, Any] | None] = queue.SimpleQueue()
+        self._issues: queue.SimpleQueue[tuple[_Transfer, Move, Any, Any] | None] = queue.SimpleQueue()
         self._issuer: threading.Thread | None = None
+        self._queued = 0  # stores handed to the issuer and not yet issued (0: the issuer is idle)
         self._layered: set[LayeredLoad] = set()  # layered loads not fully enqueued yet
 
     def attach(self, device: torch.device) -> None:
         """Make the streams for a pool on ``device``. Call with the lock held and nothing in flight."""
-        if device.type == "cuda":
-            # Three distinct streams from torch's pool: store, load, and a spare used when the
-            # caller's own stream happens to be one of ours (torch hands pool streams out in
-            # rotation, so an engine's forward stream can alias a side stream).
-            self.streams = tuple(torch.cuda.Stream(device) for _ in range(3))
-        else:
-            self.streams = None
+        # Three distinct streams from torch's pool: store, load, and a spare used when the
+        # caller's own stream happens to be one of ours (torch hands pool streams out in
+        # rotation, so an engine's forward stream can alias a side stream).
+        self.streams = self.kit.streams(device, 3)
 
-    def run(
-        self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any, *, store: bool,
-        on_fail: Callable[[], None] | None = None,
-    ) -> int | None:
-        """Run ``copy`` now (CPU), enqueue it on a side stream ordered after ``stream`` and make
-        ``stream`` wait for it (a CUDA load), or hand it to the issuer thread with an event of
-        ``stream`` to wait for (a CUDA store; nothing is enqueued on ``stream`` itself).
-
-        If ``copy`` raises, ``on_fail`` (or ``on_done``) runs so no slot or pin leaks: at once,
-        and the error reaches the caller, except for a CUDA store, where it is logged.
-        """
+    def store(self, move: Move, on_done: Callable[[], None], on_fail: Callable[[], None], stream: Any) -> int | None:
+        """Run ``move`` now (CPU: ``on_fail`` and the error if it raises), or hand it to the issuer
+        thread (CUDA: the error is logged, ``on_fail`` runs once the copies that did go have run).
+        Nothing is enqueued on ``stream`` itself: the store's stream waits for it."""
         if self.streams is None:
-            try:
-                copy()
-            except BaseException:
-                with self._lock:
-                    (on_fail or on_done)()
-                raise
-            with self._lock:
-                on_done()
-            return None
-        caller = stream if stream is not None else torch.cuda.current_stream(self.streams[0].device)
-        side = self.side_stream(store, caller)
+            return self._inline(move.rest, on_done, on_fail)
+        caller = stream if stream is not None else self.kit.current(self.streams[0].device)
+        side = self.side_stream(True, caller)
         with self._lock:
-            transfer = _Transfer(next(self._tokens), on_done, on_fail or on_done)
+            transfer = _Transfer(next(self._tokens), on_done, on_fail)
             self.inflight.append(transfer)
-        if store:
-            ready = torch.cuda.Event()
-            ready.record(caller)
-            self._start_issuer()
-            self._issues.put((transfer, copy, side, ready))
-            return transfer.token
+            head = self.head_bytes > 0 and self._queued == 0  # idle: nothing of ours on ``side``
+            self._queued += 1
+        ready = None
+        try:
+            if head:  # enqueued by this thread, before the hand-off: the issuer's windows come after
+                side.wait_stream(caller)
+            else:
+                ready = self.kit.event()
+                ready.record(caller)
+        except BaseException:  # nothing handed over: take the store back
+            transfer.issued.set()
+            with self._lock:
+                self._queued -= 1
+                self.inflight.remove(transfer)
+                transfer.on_fail()
+            raise
+        if head:
+            with self.kit.use(side):
+                move.head(self.head_bytes)  # never raises: ``rest`` does, on the issuer
+        self._start_issuer()
+        self._issues.put((transfer, move, side, ready))  # wakes the issuer (after the head: no GIL ping-pong)
+        return transfer.token
+
+    def load(self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any) -> int | None:
+        """Run ``copy`` now (CPU), or enqueue it on a side stream ordered after ``stream`` and make
+        ``stream`` wait for it (CUDA). If ``copy`` raises, ``on_done`` runs at once (no pin leaks)
+        and the error reaches the caller."""
+        if self.streams is None:
+            return self._inline(copy, on_done, on_done)
+        caller = stream if stream is not None else self.kit.current(self.streams[0].device)
+        side = self.side_stream(False, caller)
+        with self._lock:
+            transfer = _Transfer(next(self._tokens), on_done, on_done)
+            self.inflight.append(transfer)
         try:
             side.wait_stream(caller)
-            with torch.cuda.stream(side):
+            with self.kit.use(side):
                 copy()
                 transfer.event = side.record_event()
         except BaseException:
@@ -131,6 +155,17 @@ class InflightTransfers:
         transfer.issued.set()
         caller.wait_event(transfer.event)  # the forward pass reads what the load wrote
         return transfer.token
+
+    def _inline(self, copy: Callable[[], None], on_done: Callable[[], None], on_fail: Callable[[], None]) -> None:
+        """A CPU pool's copy, done in the call."""
+        try:
+            copy()
+        except BaseException:
+            with self._lock:
+                on_fail()
+            raise
+        with self._lock:
+            on_done()
 
     def start_layered(self, layers: Iterator[int], num_layers: int, on_done: Callable[[], None],
                       stream: Any) -> LayeredLoad:
@@ -231,14 +266,27 @@ class InflightTransfers:
 
     def _issue_stores(self) -> None:
         while (item := self._issues.get()) is not None:
-            transfer, copy, side, ready = item
+            transfer, move, side, ready = item
             try:
-                with torch.cuda.device(side.device), torch.cuda.stream(side):
-                    side.wait_event(ready)
-                    copy()
+                with self.kit.use(side):
+                    if ready is not None:
+                        side.wait_event(ready)
+                    move.rest()
                     transfer.event = side.record_event()
             except BaseException:  # never commit slots whose copies were not all enqueued
                 logger.exception("kvdepot: a store's copies could not be enqueued; its chunks are dropped")
-                transfer.failed, transfer.event = True, None
+                transfer.failed = True
+                transfer.event = self._after_enqueued(side)
             finally:
+                with self._lock:
+                    self._queued -= 1
                 transfer.issued.set()
+
+    def _after_enqueued(self, side: Any) -> Any:
+        """An event after whatever a failed store did enqueue, so that its slots are freed only
+        once no copy of it can still land in them; None where even that fails (nothing will run)."""
+        try:
+            with self.kit.use(side):
+                return side.record_event()
+        except BaseException:  # NOTE: a broken device; the slots are freed at once
+            return None

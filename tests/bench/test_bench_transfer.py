@@ -1,0 +1,38 @@
+"""``kvdepot bench transfer`` and ``kvdepot bench bookkeeping`` on CPU: every row measured, the
+batch mover's variants each measured in one run, and the bookkeeping bench's stamps in order."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from kvdepot.bench import bookkeeping, transfer
+
+
+def _args(module, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_bench_transfer_measures_each_batch_variant_in_one_run(kvdepot_env_cleared):
+    rows = transfer.run(_args(transfer, "--device", "cpu", "--mover", "batch", "--tokens", "256", "--reps", "2", "--layers", "2",
+                              "--store-head-mib", "0,4", "--lanes", "1,2"))
+    movers = ["batch head 0 lanes 1", "batch head 0 lanes 2", "batch head 4 lanes 1", "batch head 4 lanes 2"]
+    assert [r["mover"] for r in rows] == [m for m in movers for _ in range(3)]
+    assert [r["op"] for r in rows[:3]] == ["store", "2 stores at once", "retrieve"]
+    assert all(r["ratio"] > 0 and r["call us"] > 0 for r in rows)
+
+
+def test_bench_bookkeeping_times_each_shape_and_path():
+    rows = bookkeeping.run(_args(bookkeeping, "--models", "1b", "--tokens-per-block", "8", "--reps", "3",
+                                 "--blocks", "64", "--driver-us-per-copy", "0"))
+    assert {(r["path"], r["op"]) for r in rows} == {
+        ("bookkeeping", "store"), ("bookkeeping", "lookup"), ("bookkeeping", "lookup+lease"), ("bookkeeping", "retrieve"),
+        ("batch", "store"), ("batch", "retrieve"), ("batch", "both: store"), ("batch", "both: retrieve")}
+    for r in rows:
+        assert r["call us"] > 0
+        if r["path"] == "batch":  # a copy was issued after the call began, and all of it by the end
+            assert 0 < r["first copy us"] <= r["all issued us"]
+        else:
+            assert math.isnan(r["first copy us"])

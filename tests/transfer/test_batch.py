@@ -1,0 +1,315 @@
+"""``kvdepot.transfer.batch``: windows, refusals, lanes, loads layer by layer, and a store moved by
+two threads at once (``head`` on the caller, ``rest`` on the issuer) — on the CPU through
+``pools.HostDriver`` (the driver's copies, played by memmove), and marked ``gpu`` on CUDA."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from pools import HostDriver, host_buffer, make_pool, random_bytes, run_on_side_stream
+
+from kvdepot.transfer import BatchBlockMover, TorchBlockMover, cuda_batch
+from kvdepot.transfer.base import ChunkCopy
+from kvdepot.transfer.batch import window_bounds
+from kvdepot.transfer.plan import CopyList
+
+
+def test_batch_call_refuses_the_default_stream_and_lists_it_does_not_hold_before_touching_the_driver():
+    table = np.array([[1, 2], [3, 4], [5, 6]], dtype=np.int64)
+    listing = CopyList(table)
+    with pytest.raises(ValueError, match="default stream"):
+        cuda_batch.memcpy_batch(listing, 0, 1, 0)
+    with pytest.raises(ValueError, match="not within"):
+        cuda_batch.memcpy_batch(listing, 1, 3, 7)
+    cuda_batch.memcpy_batch(listing, 1, 1, 7)  # nothing to copy: no driver needed
+    assert listing.pointers(1) == (table.ctypes.data + 8, table.ctypes.data + 24, table.ctypes.data + 40)
+
+
+def test_batch_mover_on_cpu_pools_is_the_per_run_mover():
+    c = dict(num_blocks=5, layers=2, kv=2, elems=6, dtype=torch.bfloat16, per_layer=True, seed=3)
+    pool, views, gen = make_pool(c, "cpu")
+    buf = host_buffer(4, sum(v.shape[1] for v in views), gen, "cpu")
+    expected = buf.clone()
+    TorchBlockMover().gather(views, [4, 0, 2], expected, 1)
+    BatchBlockMover().gather(views, [4, 0, 2], buf, 1)
+    assert torch.equal(buf, expected)
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("growing", [False, True])
+@pytest.mark.parametrize("refuse_call", [None, 1, 3])
+def test_batch_mover_redoes_a_refused_move_with_torch_and_counts_it(caplog, refuse_call, growing, lanes):
+    """A move the driver refuses part of is done again by per-run copies: a store is not lost and
+    a load never leaves the pool unwritten (TensorRT-LLM could not hear of a failed load). The
+    windows it did hand over partition the copy list in order, and grow from the first one; with
+    lanes they alternate over the streams, and every lane is joined back, refused or not."""
+    c = dict(num_blocks=12, layers=2, kv=2, elems=16, dtype=torch.float16, per_layer=True, seed=9)
+    pool, views, gen = make_pool(c, "cpu")
+    per_block = sum(v.shape[1] for v in views)
+    driver = HostDriver(refuse_call=refuse_call)
+    mover = BatchBlockMover(window_bytes=2 * per_block, first_window_bytes=per_block // 4 if growing else None,
+                            lanes=lanes, driver=driver)
+    ids = torch.randperm(12, generator=gen).tolist()
+    copies = [ChunkCopy(ids[k : k + 2], random_bytes((3 * per_block,), gen), k % 2) for k in range(0, 12, 2)]
+    expected = [ChunkCopy(cp.block_ids, cp.host.clone(), cp.first) for cp in copies]
+    TorchBlockMover().gather_many(views, expected)
+    with caplog.at_level("WARNING", logger="kvdepot"):
+        mover.gather_many(views, copies)
+    for ours, theirs in zip(copies, expected, strict=True):
+        assert torch.equal(ours.host, theirs.host)
+    calls = driver.calls
+    assert [c["stream"] for c in calls] == [["stream", "lane1"][k % lanes] for k in range(len(calls))]
+    assert driver.joins == [("stream", lane) for lane in driver.lanes] and len(driver.lanes) == lanes - 1
+    if refuse_call is None:
+        assert mover.refused == 0 and len(calls) > 1
+        assert driver.bytes_moved() == 12 * per_block
+        assert all(sum(c["sizes"]) <= 2 * per_block for c in calls)
+        spans = [sum(c["sizes"]) for c in calls]
+        assert (spans[0] < spans[1] <= spans[2]) if growing else spans[0] == 2 * per_block
+    else:
+        assert len(calls) == refuse_call and mover.refused == 1 and "refused a batched copy" in caplog.text
+    original = pool.view(torch.uint8).clone()
+    pool.view(torch.uint8).zero_()
+    mover.scatter_many(copies, views)
+    assert torch.equal(pool.view(torch.uint8), original)
+
+
+@pytest.mark.parametrize("refuse_call", [None, 1, 3])
+def test_batch_mover_scatters_layer_by_layer(caplog, refuse_call):
+    """``scatter_layers`` on a cross-layer pool: once it has yielded ``l``, layers 0..l of every
+    listed block hold the host bytes and later layers are untouched (nothing is copied ahead of
+    the caller's ``next()``); at the end the pool is exactly what a whole scatter writes. A
+    refused call finishes the move whole, and every layer is still yielded once, in order. (The
+    driver is played by memmove on CPU memory.)"""
+    layers = 4
+    c = dict(num_blocks=10, layers=layers, kv=2, elems=8, dtype=torch.bfloat16, per_layer=False, seed=4)
+    pool, views, gen = make_pool(c, "cpu")
+    per_block = views[0].shape[1]
+    driver = HostDriver(refuse_call=refuse_call)
+    ids = torch.randperm(10, generator=gen).tolist()
+    copies = [ChunkCopy(ids[k : k + 3], random_bytes((4 * per_block,), gen), k % 2) for k in range(0, 9, 3)]
+    got = pool.view(torch.uint8)  # bytes: random bf16 bits hold NaNs, which never compare equal
+    want = got.clone()
+    TorchBlockMover().scatter_many(copies, [want.reshape(10, -1)])
+    poison = got.clone()
+    reported = []
+    with caplog.at_level("WARNING", logger="kvdepot"):
+        for layer in BatchBlockMover(lanes=2, driver=driver).scatter_layers(copies, views, layers):
+            reported.append(layer)
+            if refuse_call is None:
+                assert len(driver.calls) == layer + 1  # one driver call per layer, none ahead
+                assert torch.equal(got[ids[:9], : layer + 1], want[ids[:9], : layer + 1])
+                assert torch.equal(got[ids[:9], layer + 1 :], poison[ids[:9], layer + 1 :])
+    assert reported == list(range(layers))
+    assert torch.equal(got, want)  # the listed blocks loaded, block 9 (not listed) untouched
+    assert (refuse_call is None) == ("refused" not in caplog.text)
+    assert not driver.lanes and {c["stream"] for c in driver.calls} == {"stream"}  # lanes: whole moves only
+
+
+def test_batch_mover_scatters_whole_where_it_cannot_split_by_layer():
+    """Per-layer views (one view per layer: not a cross-layer pool) or a CPU pool: the move is
+    whole at the first step, and every layer is yielded after it."""
+    c = dict(num_blocks=6, layers=3, kv=2, elems=8, dtype=torch.float16, per_layer=True, seed=2)
+    pool, views, gen = make_pool(c, "cpu")
+    per_block = sum(v.shape[1] for v in views)
+    copies = [ChunkCopy([4, 1], random_bytes((2 * per_block,), gen))]
+    want = pool.view(torch.uint8).clone()
+    TorchBlockMover().scatter_many(copies, [want[:, layer].reshape(6, -1) for layer in range(3)])
+    reported = [(layer, pool.view(torch.uint8).clone()) for layer in BatchBlockMover().scatter_layers(copies, views, 3)]
+    assert [layer for layer, _ in reported] == [0, 1, 2]
+    assert all(torch.equal(seen, want) for _, seen in reported)
+
+
+def test_window_bounds_partition_the_copies_in_order():
+    assert window_bounds(np.array([], dtype=np.int64), 10) == []
+    assert window_bounds(np.array([4, 4, 4, 4, 25, 1, 9]), 10) == [(0, 2), (2, 4), (4, 6), (6, 7)]
+    assert window_bounds(np.array([10, 10, 10]), 10) == [(0, 1), (1, 2), (2, 3)]
+    # Growing windows: 1, then 2, 4, 8 copies of one unit, then at most 8 per window.
+    assert window_bounds(np.ones(23, dtype=np.int64), 8, first_bytes=1) == [(0, 1), (1, 3), (3, 7), (7, 15), (15, 23)]
+    sizes = np.random.default_rng(0).integers(1, 50, 500)
+    bounds = window_bounds(sizes, 300, first_bytes=20)
+    assert [lo for lo, _ in bounds[1:]] == [hi for _, hi in bounds[:-1]] and bounds[0][0] == 0 and bounds[-1][1] == 500
+    spans = [int(sizes[lo:hi].sum()) for lo, hi in bounds]
+    assert spans[0] <= 20 + 49 and max(spans) <= 300 + 49 and spans[1] > spans[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("where", ["pageable", "default stream"])
+def test_batch_mover_falls_back_where_the_driver_call_cannot_serve(where):
+    """Pageable host memory and the legacy default stream are not for the batch call: the move
+    still happens, bit-exact, by per-run torch copies."""
+    c = dict(num_blocks=6, layers=2, kv=2, elems=32, dtype=torch.float16, per_layer=False, seed=4)
+    pool, views, gen = make_pool(c, "cuda")
+    original = pool.view(torch.uint8).cpu().clone()
+    buf = random_bytes((3 * views[0].shape[1],), gen)
+    if where != "pageable":
+        buf = buf.pin_memory()
+    mover = BatchBlockMover()
+
+    def move(fn):
+        if where == "default stream":
+            fn()  # on torch's default stream
+        else:
+            run_on_side_stream("cuda", fn)
+        torch.cuda.synchronize()
+
+    move(lambda: mover.gather(views, [5, 1, 3], buf))
+    assert torch.equal(buf.view(3, -1), original[[5, 1, 3]].view(3, -1))
+    pool.view(torch.uint8).zero_()
+    move(lambda: mover.scatter(buf, views, [0, 2, 4]))
+    assert torch.equal(pool.view(torch.uint8).cpu()[[0, 2, 4]], original[[5, 1, 3]])
+
+
+@pytest.mark.gpu
+def test_batch_mover_never_spans_two_host_registrations_that_touch():
+    """Two pinned allocations back to back in the address space (two cudaHostRegister calls on
+    the halves of one buffer: what adjacent arena segments looked like in the MP server). Blocks
+    consecutive in the pool and across the two halves must go as two copies: the driver refuses
+    one copy spanning both (before the fix: dropped stores). Nothing refused, bytes exact."""
+    if not cuda_batch.available():
+        pytest.skip("this driver has no cuMemcpyBatchAsync_v2")
+    c = dict(num_blocks=8, layers=2, kv=2, elems=1024, dtype=torch.bfloat16, per_layer=False, seed=12)
+    pool, views, gen = make_pool(c, "cuda")
+    seg = views[0].shape[1]
+    raw = np.zeros(4 * seg + 4096, dtype=np.uint8)
+    memory = raw[-raw.ctypes.data % 4096 :][: 4 * seg]  # page-aligned halves (seg is 8 KiB): no shared page
+    halves = [torch.from_numpy(memory[: 2 * seg]), torch.from_numpy(memory[2 * seg :])]
+    cudart = torch.cuda.cudart()
+    for half in halves:
+        assert int(cudart.cudaHostRegister(half.data_ptr(), half.numel(), 0)) == 0
+    try:
+        assert all(h.is_pinned() for h in halves)
+        mover = BatchBlockMover()
+        copies = [ChunkCopy([2, 3], halves[0]), ChunkCopy([4, 5], halves[1])]  # pool 2..5: one span
+        run_on_side_stream("cuda", lambda: mover.gather_many(views, copies))
+        assert mover.refused == 0
+        assert torch.equal(torch.from_numpy(memory).view(4, seg), pool.view(torch.uint8).cpu().view(8, seg)[2:6])
+        pool.view(torch.uint8).zero_()
+        run_on_side_stream("cuda", lambda: mover.scatter_many(copies, views))
+        assert mover.refused == 0
+        assert torch.equal(pool.view(torch.uint8).cpu().view(8, seg)[2:6], torch.from_numpy(memory).view(4, seg))
+    finally:
+        torch.cuda.synchronize()
+        for half in halves:
+            cudart.cudaHostUnregister(half.data_ptr())
+
+
+# ---- a store in two parts: head (the engine's caller) and rest (its issuer) ----------------------
+
+
+def _store_case(seed: int = 5, chunks: int = 6):
+    """A pool, a store of ``chunks`` chunks of two blocks, the bytes it must produce, and windows
+    of one block's bytes doubling to four (so a move has several)."""
+    c = dict(num_blocks=16, layers=2, kv=2, elems=16, dtype=torch.float16, per_layer=False, seed=seed)
+    pool, views, gen = make_pool(c, "cpu")
+    per_block = views[0].shape[1]
+    ids = torch.randperm(16, generator=gen).tolist()
+    copies = [ChunkCopy(ids[2 * k : 2 * k + 2], random_bytes((2 * per_block,), gen)) for k in range(chunks)]
+    expected = [cp.host.clone() for cp in copies]
+    TorchBlockMover().gather_many(views, [ChunkCopy(cp.block_ids, e) for cp, e in zip(copies, expected, strict=True)])
+    return views, copies, expected, per_block
+
+
+def _windows(driver: HostDriver) -> list[tuple[int, ...]]:
+    return [tuple(c["dst"]) for c in driver.calls]
+
+
+def test_a_head_takes_windows_up_to_its_bytes_and_the_rest_takes_the_others_once():
+    views, copies, expected, per_block = _store_case()
+    driver = HostDriver()
+    mover = BatchBlockMover(window_bytes=4 * per_block, first_window_bytes=per_block, driver=driver)
+    move = mover.prepare_gather(views, copies)
+    move.head(3 * per_block)  # windows of 1 and 2 blocks end within 3 blocks; the next (4) would not
+    assert [sum(c["sizes"]) for c in driver.calls] == [per_block, 2 * per_block]
+    move.rest()
+    assert driver.bytes_moved() == 12 * per_block and len(set(_windows(driver))) == len(driver.calls)
+    assert all(torch.equal(cp.host, e) for cp, e in zip(copies, expected, strict=True))
+    small = mover.prepare_gather(views, copies)
+    driver.calls.clear()
+    small.head(1)  # less than the first window: the head still takes that one (the engines start)
+    assert len(driver.calls) == 1
+    small.rest()
+
+
+def test_a_head_on_one_thread_and_the_rest_on_another_move_every_block_once():
+    """As the engine does it: the caller's thread enqueues the head, the issuer thread the rest."""
+    views, copies, expected, per_block = _store_case()
+    driver = HostDriver()
+    mover = BatchBlockMover(window_bytes=2 * per_block, first_window_bytes=per_block, driver=driver)
+    move = mover.prepare_gather(views, copies)
+    caller = threading.Thread(target=move.head, args=(3 * per_block,), name="caller")
+    caller.start()
+    caller.join(30)
+    issuer = threading.Thread(target=move.rest, name="issuer")
+    issuer.start()
+    issuer.join(30)
+    assert [c["thread"] for c in driver.calls] == ["caller"] * 2 + ["issuer"] * (len(driver.calls) - 2)
+    assert driver.bytes_moved() == 12 * per_block and len(set(_windows(driver))) == len(driver.calls)
+    assert all(torch.equal(cp.host, e) for cp, e in zip(copies, expected, strict=True))
+
+
+def test_what_the_head_cannot_do_is_raised_by_the_rest_or_redone_by_torch(caplog):
+    """The head never raises (it runs on the engine's step loop): an error is raised by the rest
+    (the issuer drops the store), a refused window makes the rest move it all with torch."""
+    views, copies, expected, per_block = _store_case()
+
+    class Broken(HostDriver):
+        def copy(self, copies, lo, hi, stream):
+            raise ValueError("not a refusal")
+
+    move = BatchBlockMover(first_window_bytes=per_block, driver=Broken()).prepare_gather(views, copies)
+    move.head(1 << 30)
+    with pytest.raises(ValueError, match="not a refusal"):
+        move.rest()
+    driver = HostDriver(refuse_call=1)
+    mover = BatchBlockMover(window_bytes=2 * per_block, first_window_bytes=per_block, driver=driver)
+    move = mover.prepare_gather(views, copies)
+    with caplog.at_level("WARNING", logger="kvdepot"):
+        move.head(1 << 30)
+        assert len(driver.calls) == 1  # refused: nothing more is handed to the driver
+        move.rest()
+    assert len(driver.calls) == 1 and mover.refused == 1 and "refused a batched copy" in caplog.text
+    assert all(torch.equal(cp.host, e) for cp, e in zip(copies, expected, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_batch_mover_on_cuda_with_lanes_and_a_store_issued_by_two_threads(lanes):
+    """On the device: a store whose head is enqueued by a fresh thread (its first driver call
+    needs the context made current there) and the rest by another, on the same stream (with
+    lanes joined back into it), then a load of it all into a poisoned pool; the stream waited
+    on sees every byte."""
+    from kvdepot.transfer import cuda_batch
+
+    if not cuda_batch.available():
+        pytest.skip("this driver has no cuMemcpyBatchAsync_v2")
+    c = dict(num_blocks=64, layers=2, kv=2, elems=512, dtype=torch.bfloat16, per_layer=False, seed=21)
+    pool, views, gen = make_pool(c, "cuda")
+    original = pool.view(torch.uint8).cpu().clone()
+    per_block = views[0].shape[1]
+    mover = BatchBlockMover(window_bytes=8 * per_block, first_window_bytes=per_block, lanes=lanes)
+    ids = torch.randperm(64, generator=gen).tolist()
+    copies = [ChunkCopy(ids[k : k + 4], host_buffer(4, per_block, gen, "cuda")) for k in range(0, 64, 4)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    move = mover.prepare_gather(views, copies)
+
+    def head():
+        with torch.cuda.stream(side):
+            move.head(4 * per_block)
+
+    caller = threading.Thread(target=head)  # a thread that has done nothing on the device yet
+    caller.start()
+    caller.join()
+    with torch.cuda.stream(side):
+        move.rest()
+    side.synchronize()
+    assert mover.refused == 0
+    for cp in copies:
+        assert torch.equal(cp.host.view(4, -1), original[cp.block_ids].view(4, -1))
+    pool.view(torch.uint8).zero_()
+    run_on_side_stream("cuda", lambda: mover.scatter_many(copies, views))
+    assert torch.equal(pool.view(torch.uint8).cpu(), original) and mover.refused == 0

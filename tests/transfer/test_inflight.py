@@ -1,0 +1,135 @@
+"""``kvdepot.transfer.inflight`` on the CPU: the engine's GPU paths (a store handed to the issuer
+thread, its head enqueued by the caller while the issuer wakes, a load on a side stream) run on
+``ImmediateStreams`` with the batch mover's driver played by ``pools.HostDriver``, so every byte a
+store or load moves is checked, and every lease, pin and transfer comes back to zero."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pools import HostDriver, random_bytes
+
+from kvdepot.config import load_config
+from kvdepot.engine import CacheEngine
+from kvdepot.layout import PoolLayout
+from kvdepot.transfer import BatchBlockMover
+from kvdepot.transfer.streams import ImmediateStreams
+
+TPB, BPC, BLOCKS = 4, 2, 24
+ISSUER = "kvdepot-store-issuer"
+
+
+def _engine(driver: HostDriver, head_blocks: float = 64, seed: int = 0):
+    """An engine over a CPU pool of random bytes whose batch mover's windows are one block's
+    bytes doubling to four, and whose caller may enqueue ``head_blocks`` blocks' worth of a store."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = random_bytes((BLOCKS, 2, 2, 32), gen).view(torch.float16)
+    per_block = pool[0].numel() * pool.element_size()
+    layout = PoolLayout.from_pool(pool, TPB, TPB * BPC)
+    config = load_config(chunk_size=TPB * BPC, host_capacity_gb=64 * BPC * per_block / 1e9, pin_host_memory="false",
+                         store_head_mib=head_blocks * per_block / 2**20)
+    mover = BatchBlockMover(window_bytes=4 * per_block, first_window_bytes=per_block, driver=driver)
+    engine = CacheEngine(layout, config, mover=mover, streams=ImmediateStreams())
+    engine.register_pool(pool)
+    return engine, pool.view(torch.uint8).view(BLOCKS, -1)
+
+
+def _idle(engine: CacheEngine) -> None:
+    engine.wait_all()
+    stats = engine.stats()
+    assert (stats.live_leases, stats.pinned_chunks, stats.inflight_transfers) == (0, 0, 0)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), head_blocks=st.sampled_from([0, 1, 3, 64]))
+def test_stores_through_the_issuer_and_loads_on_a_side_stream_are_bit_exact(seed, head_blocks):
+    """Random requests stored (the issuer, maybe the caller's head first), then loaded back into a
+    poisoned pool, whole or from a random first block: exactly the stored bytes, nowhere else."""
+    driver = HostDriver()
+    engine, rows = _engine(driver, head_blocks, seed)
+    rng = random.Random(seed)
+    original = rows.clone()
+    requests = []
+    for _ in range(3):
+        ids = rng.sample(range(BLOCKS), 2 * BPC)
+        tokens = [rng.randrange(1000) for _ in range(len(ids) * TPB)]
+        requests.append((engine.chunk_keys(tokens), ids, engine.store(engine.chunk_keys(tokens), ids)))
+    for _keys, _ids, handle in requests:
+        handle.wait()
+    assert engine.stats().refused_batches == 0
+    for keys, ids, _handle in requests:
+        poison = random_bytes(rows.shape, torch.Generator().manual_seed(seed + 1))
+        rows.copy_(poison)
+        skip = rng.randrange(len(ids))
+        assert engine.retrieve(keys, ids, skip_blocks=skip) == len(ids) * TPB
+        expect = poison.clone()
+        expect[ids[skip:]] = original[ids[skip:]]
+        assert torch.equal(rows, expect)
+    _idle(engine)
+    threads = {c["thread"] for c in driver.calls}
+    assert ISSUER in threads or head_blocks >= 2 * BPC  # a head this large may take a whole store
+    engine.close()
+
+
+def test_an_idle_issuer_gets_the_store_after_the_callers_head_and_a_busy_one_gets_it_whole():
+    """The caller enqueues a store's first window itself only when the issuer has nothing queued
+    (its wake-up is then what the copy engines would wait for); behind a store still being issued
+    the caller enqueues nothing and the issuer takes the whole store, in order."""
+    driver = HostDriver(gate_call=2)  # the issuer's first window of the first store waits in the driver
+    engine, rows = _engine(driver, head_blocks=1)  # a head of one window
+    first, second = engine.chunk_keys(list(range(16))), engine.chunk_keys(list(range(100, 116)))
+    handle = engine.store(first, [3, 9, 4, 17])
+    assert driver.entered.wait(30)
+    assert [c["thread"] for c in driver.calls] == ["MainThread", ISSUER]
+    other = engine.store(second, [11, 0, 20, 6])  # the issuer is busy: nothing enqueued here
+    assert len(driver.calls) == 2 and not handle.done() and not other.done()
+    driver.gate.set()
+    handle.wait()
+    other.wait()
+    assert [c["thread"] for c in driver.calls[2:]] == [ISSUER] * (len(driver.calls) - 2)
+    expected = rows[[3, 9, 4, 17, 11, 0, 20, 6]].clone()
+    rows.zero_()
+    assert engine.retrieve(first, [3, 9, 4, 17]) == 16 and engine.retrieve(second, [11, 0, 20, 6]) == 16
+    assert torch.equal(rows[[3, 9, 4, 17, 11, 0, 20, 6]], expected)
+    _idle(engine)
+    engine.close()
+
+
+def test_without_a_head_the_issuer_enqueues_every_copy_of_a_store():
+    driver = HostDriver()
+    engine, _rows = _engine(driver, head_blocks=0)  # config store_head_mib 0
+    engine.store(engine.chunk_keys(list(range(16))), [3, 9, 4, 17]).wait()
+    assert driver.calls and {c["thread"] for c in driver.calls} == {ISSUER}
+    _idle(engine)
+    engine.close()
+
+
+@pytest.mark.parametrize("fail_call", [1, 3])
+def test_a_store_that_cannot_be_enqueued_is_dropped_and_leaks_nothing(fail_call, caplog):
+    """An error in a driver call (the first: usually the caller's head; the third: the issuer's)
+    drops the store: nothing raised to the engine's step loop, the chunks never visible, every
+    slot back, and the next store fine."""
+
+    class Broken(HostDriver):
+        def copy(self, copies, lo, hi, stream):
+            super().copy(copies, lo, hi, stream)
+            if len(self.calls) == fail_call:
+                raise ValueError("no copy today")
+
+    driver = Broken()
+    engine, _rows = _engine(driver, head_blocks=1)
+    keys = engine.chunk_keys(list(range(16)))
+    with caplog.at_level("ERROR", logger="kvdepot"):
+        handle = engine.store(keys, [3, 9, 4, 17])
+        handle.wait()
+    assert "could not be enqueued" in caplog.text and "no copy today" in caplog.text
+    assert handle.done() and engine.lookup(keys) == 0 and engine.stats().host_chunks == 0
+    _idle(engine)
+    engine.store(keys, [3, 9, 4, 17]).wait()  # calls past the failing one go through
+    assert engine.lookup(keys) == 16
+    _idle(engine)
+    engine.close()
