@@ -278,9 +278,11 @@ class InflightTransfers:
                 transfer.failed = True
                 transfer.event = self._after_enqueued(side)
             finally:
+                # ``issued`` first: a thread that waits for this store may hold the owner's lock
+                # (re-registering a pool waits for every copy under it), and would wait forever.
+                transfer.issued.set()
                 with self._lock:
                     self._queued -= 1
-                transfer.issued.set()
 
     def _after_enqueued(self, side: Any) -> Any:
         """An event after whatever a failed store did enqueue, so that its slots are freed only
