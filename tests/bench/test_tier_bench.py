@@ -53,8 +53,7 @@ def test_all_parts_start_and_stop_their_own_redis(tmp_path: Path, monkeypatch: p
     assert list(phases) == ["recompute", "host-memory hit", "disk hit", "redis hit"]
     for name in ("host-memory hit", "disk hit", "redis hit"):
         assert phases[name]["tokens loaded"] == 192 and phases[name]["tokens==recompute"]  # 3 chunks of 64
-    assert phases["disk hit"]["async load"] and phases["redis hit"]["async load"]
-    assert not phases["host-memory hit"]["async load"]
+    assert not any(phases[name]["async load"] for name in phases)  # lower tiers are read before the promise
     assert len(started) == 1 and started[0][0].poll() is not None  # the server it started is gone
     assert list(tmp_path.iterdir()) == []  # files and the TTFT disk tier removed
     assert kvdepot_env() == env and torch.get_num_threads() == threads
