@@ -121,6 +121,9 @@ def first_hit_rows(args: argparse.Namespace, lengths: list[int], engine: Callabl
                     results.append([eng.generate([_prompt(n, 600 + 10 * i + k, vocab)], 1)[0]
                                     for k in range(args.first_prompts)])
                     if role == "reader":
+                        # Promotions the gate left running as prefetches hold their lease until
+                        # they finish: wait for them, so that a lease still live is a leak.
+                        current_engine().wait_promotions(timeout=60)
                         stats, streams = current_engine().stats(), current_engine().config.promote_streams
                     del eng
                     free()
