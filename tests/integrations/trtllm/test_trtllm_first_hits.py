@@ -202,3 +202,35 @@ def test_a_slow_tier_is_waited_for_at_most_lower_tier_wait_s(tiers, monkeypatch)
     second = eng.generate([prompt_a()], 4)[0]  # the promotion landed meanwhile: a host hit now
     assert second.num_device_reused_tokens == HIT or second.num_connector_matched_tokens == HIT
     assert depot.stats().live_leases == 0
+
+
+def test_fresh_engine_first_request_hits_through_a_redis_cluster(monkeypatch, tmp_path) -> None:
+    """Issue 16's first figure: another process stored A through a 3-master Redis Cluster (one value
+    per chunk, spread over the masters' slots); a fresh engine's first request is served 1792 of
+    its 1800 tokens from it, every byte equal to what was stored."""
+    from redis_server import REDIS_CLI, REDIS_SERVER, RedisClusterServers
+
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server/redis-cli not found: apt-get install redis-server (brings redis-tools)")
+    cluster = RedisClusterServers(tmp_path / "cluster")
+    cluster.start()
+    try:
+        monkeypatch.setenv("KVDEPOT_HOST_CAPACITY_GB", "0.003")
+        monkeypatch.delenv("KVDEPOT_LOWER_TIER_HITS", raising=False)
+        monkeypatch.setenv("KVDEPOT_REMOTE_URL", cluster.url)
+        monkeypatch.setenv("KVDEPOT_REMOTE_CLUSTER", "true")
+        written = write()
+        destroy_engine()
+        rig = Rig()
+        eng = engine(rig)
+        hit = eng.generate([prompt_a()], 4)[0]
+        assert rig.promised[0] == (HIT, False)
+        assert_first_hit_exact(eng, rig, hit, written)
+        depot = current_engine()
+        masters = {cluster.node_of(depot.lower.remote.redis_key(k)).url for k in depot.chunk_keys(prompt_a())[: HIT // 256]}
+        assert len(masters) > 1  # the chunks really are spread over the cluster
+        stats = depot.stats()
+        assert stats.lower[0].hits == HIT // 256 and stats.live_leases == 0 and stats.pinned_chunks == 0
+        destroy_engine()
+    finally:
+        cluster.stop()
