@@ -229,14 +229,3 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             report.add(_row(mode, forward_us, args.layers, loads[mode, forward_us], reference))
     return report.finish()
 
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvdepot bench hooks", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
