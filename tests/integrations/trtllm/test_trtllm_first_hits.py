@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,13 +31,16 @@ from first_hits_rig import (
 )
 
 from kvdepot.integrations.tensorrt_llm.providers import current_engine, destroy_engine
+from redis_server import REDIS_CLI, RedisClusterServers
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
-def tiers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, redis_factory):
-    """Configure the tiers a case names ("disk", "redis"); host memory for 22 chunks."""
+def tiers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, redis_factory) -> Iterator:
+    """Configure the tiers a case names ("disk", "redis", or "cluster": a real 3-master Redis
+    Cluster); host memory for 22 chunks."""
+    clusters: list[RedisClusterServers] = []
 
     def configure(*names: str):
         monkeypatch.setenv("KVDEPOT_HOST_CAPACITY_GB", "0.003")
@@ -48,13 +52,28 @@ def tiers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, redis_factory):
             redis = redis_factory()
             monkeypatch.setenv("KVDEPOT_REMOTE_URL", redis.url)
             monkeypatch.setenv("KVDEPOT_REMOTE_TIMEOUT_S", "0.5")
+        if "cluster" in names:
+            if REDIS_CLI is None:
+                pytest.skip("redis-cli not found: apt-get install redis-server (brings redis-tools)")
+            redis = RedisClusterServers(tmp_path / "cluster")
+            clusters.append(redis)
+            redis.start()
+            monkeypatch.setenv("KVDEPOT_REMOTE_URL", redis.url)
+            monkeypatch.setenv("KVDEPOT_REMOTE_CLUSTER", "true")
         return redis
 
-    return configure
+    yield configure
+    destroy_engine()
+    for cluster in clusters:
+        cluster.stop()
 
 
-def test_fresh_engine_first_request_hits_from_redis(tiers) -> None:
-    tiers("redis")
+@pytest.mark.parametrize("redis", ["redis", "cluster"], ids=["one server", "3-master cluster"])
+def test_fresh_engine_first_request_hits_from_redis(tiers, redis: str) -> None:
+    """Issue 16's first figure: another process stored A through Redis (one server, or a real
+    3-master Redis Cluster whose masters' slots the chunks spread over); a fresh engine's first
+    request is served 1792 of its 1800 tokens, every byte equal to what was stored."""
+    servers = tiers(redis)
     written = write()
     destroy_engine()  # drains write-behind to Redis, like the writer process exiting
     rig = Rig()
@@ -65,6 +84,10 @@ def test_fresh_engine_first_request_hits_from_redis(tiers) -> None:
     stats = current_engine().stats()
     assert stats.lower[0].hits == HIT // 256 and stats.live_leases == 0 and stats.pinned_chunks == 0
     assert worker_of(eng).stats.failed_promises == 0
+    if redis == "cluster":
+        depot = current_engine()
+        names = [depot.lower.remote.redis_key(key) for key in depot.chunk_keys(prompt_a())[: HIT // 256]]
+        assert len({servers.node_of(name).url for name in names}) > 1  # spread over the masters
 
 
 def test_restarted_engine_first_request_hits_from_disk(tiers) -> None:
@@ -203,34 +226,3 @@ def test_a_slow_tier_is_waited_for_at_most_lower_tier_wait_s(tiers, monkeypatch)
     assert second.num_device_reused_tokens == HIT or second.num_connector_matched_tokens == HIT
     assert depot.stats().live_leases == 0
 
-
-def test_fresh_engine_first_request_hits_through_a_redis_cluster(monkeypatch, tmp_path) -> None:
-    """Issue 16's first figure: another process stored A through a 3-master Redis Cluster (one value
-    per chunk, spread over the masters' slots); a fresh engine's first request is served 1792 of
-    its 1800 tokens from it, every byte equal to what was stored."""
-    from redis_server import REDIS_CLI, REDIS_SERVER, RedisClusterServers
-
-    if REDIS_SERVER is None or REDIS_CLI is None:
-        pytest.skip("redis-server/redis-cli not found: apt-get install redis-server (brings redis-tools)")
-    cluster = RedisClusterServers(tmp_path / "cluster")
-    cluster.start()
-    try:
-        monkeypatch.setenv("KVDEPOT_HOST_CAPACITY_GB", "0.003")
-        monkeypatch.delenv("KVDEPOT_LOWER_TIER_HITS", raising=False)
-        monkeypatch.setenv("KVDEPOT_REMOTE_URL", cluster.url)
-        monkeypatch.setenv("KVDEPOT_REMOTE_CLUSTER", "true")
-        written = write()
-        destroy_engine()
-        rig = Rig()
-        eng = engine(rig)
-        hit = eng.generate([prompt_a()], 4)[0]
-        assert rig.promised[0] == (HIT, False)
-        assert_first_hit_exact(eng, rig, hit, written)
-        depot = current_engine()
-        masters = {cluster.node_of(depot.lower.remote.redis_key(k)).url for k in depot.chunk_keys(prompt_a())[: HIT // 256]}
-        assert len(masters) > 1  # the chunks really are spread over the cluster
-        stats = depot.stats()
-        assert stats.lower[0].hits == HIT // 256 and stats.live_leases == 0 and stats.pinned_chunks == 0
-        destroy_engine()
-    finally:
-        cluster.stop()
