@@ -313,12 +313,12 @@ class CacheEngine(PoolsOwner):
 
     def poll(self) -> None:
         """Complete transfers whose copies have finished (commit stores, unpin loads)."""
-        for transfers in (self._transfers, *self._pool_transfers()):
+        for transfers in self._all_transfers():
             transfers.poll()
 
     def wait_all(self) -> None:
         """Block until every transfer enqueued so far has completed."""
-        for transfers in (self._transfers, *self._pool_transfers()):
+        for transfers in self._all_transfers():
             transfers.wait_all()
 
     # White-box handles for the CUDA tests.
@@ -339,7 +339,7 @@ class CacheEngine(PoolsOwner):
             s = self._stats
             s.evictions, s.dropped_stores = host.evictions, host.dropped
             s.live_leases, s.pinned_chunks = self.host.live_leases, self.host.pinned_chunks
-            s.inflight_transfers = sum(len(t.inflight) for t in (self._transfers, *self._pool_transfers()))
+            s.inflight_transfers = sum(len(t.inflight) for t in self._all_transfers())
             s.host_chunks, s.host_capacity_chunks = host.chunks, self.host.num_slots
             # Slots still to be pinned ahead (the arena's share); an unpinned (CPU) arena grows on demand.
             s.host_pending_chunks = self._pinner.pending_slots

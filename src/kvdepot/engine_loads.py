@@ -223,10 +223,11 @@ class PoolsOwner(LoadPath):
             if loads in self._pool_loads:
                 self._pool_loads.remove(loads)
 
-    def _pool_transfers(self) -> list[InflightTransfers]:
-        return [loads.transfers for loads in list(self._pool_loads)]
+    def _all_transfers(self) -> tuple[InflightTransfers, ...]:
+        """The attached pool's transfers, then every other pool's."""
+        return (self._transfers, *(loads.transfers for loads in list(self._pool_loads)))
 
     def _poll_locked(self) -> None:
         """Complete the finished transfers of every pool (a finished load's pins go at once)."""
-        for transfers in (self._transfers, *self._pool_transfers()):
+        for transfers in self._all_transfers():
             transfers.poll_locked()

@@ -1,13 +1,13 @@
 """Whether a hit found only on disk/Redis is worth waiting for, or faster to recompute.
 
-    gate = LoadGate(enabled, min_step_tokens, clock)
+    gate = LoadGate(enabled, min_step_tokens, clock)  or  LoadGate.from_config(config)
     gate.step(tokens)                     every scheduler step: the tokens it scheduled
     gate.worth_loading(tokens, read_tps)  promise ``tokens`` tokens read from below host memory?
     gate.exclude(seconds)                 time this step spent waiting for a read, not computing
     gate.recompute_tokens_per_s           the engine's measured prefill rate (None until measured)
 
-With ``lower_tier_hits: load`` the request that found a lower-tier hit is parked until the
-hit is read into host memory. That is only a gain when the read is faster than computing the same
+With ``lower_tier_hits: load`` the request that found a lower-tier hit waits until the hit is
+read into host memory (TensorRT-LLM: its lookup waits; vLLM: the request is parked). That is only a gain when the read is faster than computing the same
 tokens: on the H200 an 8K-token prompt of an 8B model (1 GiB of KV) recomputes in 283 ms, and one
 Redis server delivers ~1.3 GB/s (~0.8 s). So the connector promises the lower-tier part only when
 
@@ -32,6 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvdepot.config import DepotConfig
 from kvdepot.storage.rate import Rate
 
 _SLOW = 4.0  # a step this many times slower than the estimate is an idle gap, not compute
@@ -43,6 +44,12 @@ class LoadGate:
         self._recompute = Rate()
         self._last: tuple[float, int] | None = None  # the previous step: when, and its tokens
         self.refused = 0  # lower-tier hits not promised (recomputing was expected to be faster)
+
+    @classmethod
+    def from_config(cls, config: DepotConfig) -> LoadGate:
+        """The connectors' gate: ``lower_tier_gate``, and prefill measured from steps of at least
+        four chunks (a decode step says nothing about prefill)."""
+        return cls(config.lower_tier_gate, 4 * config.chunk_size)
 
     @property
     def recompute_tokens_per_s(self) -> float | None:

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvdepot.engine_api import Engine, Lease
+from kvdepot.engine_api import Engine, Hit, Lease
 from kvdepot.integrations.load_gate import LoadGate
 from kvdepot.integrations.planner import DeltaPlanner, SentState
 from kvdepot.integrations.tensorrt_llm.api import KvCacheConnectorScheduler, SchedulerOutput
@@ -60,7 +60,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         self._tp_size = setup.tp_size
         self._requests: dict[int, _SchedRequest] = {}
         self._planner = DeltaPlanner(self._block)
-        self._gate = LoadGate(setup.config.lower_tier_gate, 4 * setup.config.chunk_size)
+        self._gate = LoadGate.from_config(setup.config)
         self._finished: list[int] = []
         self._warned_tp = False
 
@@ -96,7 +96,7 @@ class KvDepotScheduler(KvCacheConnectorScheduler):
         return matched, False
 
     @staticmethod
-    def _await_promotion(engine: Engine, state: _SchedRequest, skip: int, lease: Lease) -> tuple[Any, float]:
+    def _await_promotion(engine: Engine, state: _SchedRequest, skip: int, lease: Lease) -> tuple[Hit, float]:
         """Wait (at most ``lower_tier_wait_s``) for the probe's promotion, then look the prefix up
         again under the same lease: its answer's host part is what is now read, verified and pinned.
 

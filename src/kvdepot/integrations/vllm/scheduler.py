@@ -66,7 +66,7 @@ class Scheduler:
         self._hashers: dict[tuple[str, str, bytes], ChunkHasher] = {}
         self._loads = setup.loads
         self._planner = DeltaPlanner(self._block, saves=setup.saves)
-        self._gate = LoadGate(setup.config.lower_tier_gate, 4 * setup.config.chunk_size)
+        self._gate = LoadGate.from_config(setup.config)
         self._disabled_reason = "unsupported KV cache groups" if setup.group is None else self._provider.why_off()
         if self._disabled_reason:
             logger.warning("kvdepot: %s; kvdepot is off (no lookups, no saves)", self._disabled_reason)
