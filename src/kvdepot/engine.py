@@ -250,6 +250,11 @@ class CacheEngine(PoolsOwner):
         """Whether the lower-tier part of ``lease``'s hit has been read into host memory."""
         return self._promotions.done(lease)
 
+    def wait_promotion(self, lease: Lease) -> None:
+        """Block (at most ``lease_timeout_s``) until ``lease``'s lower-tier chunks are read into
+        host memory, or their promotion failed (several loads under one lease: a one-copy group)."""
+        self._promotions.wait(lease)
+
     def promoted_chunks(self, lease: Lease) -> int | None:
         """Chunks ``lease``'s finished promotion read into host memory; None while it runs or if none."""
         return self._promotions.promoted(lease)

@@ -149,13 +149,13 @@ class Shard:
                 with self._pool_lock(pool) as loads:
                     self._check_deadline(deadline_ns)
                     if shared:
-                        self._await_promotion(lease)
+                        self.engine.wait_promotion(lease)  # its lower-tier chunks, read into host memory
                     return _load(loads, keys, block_ids, args, by_layer, after)
             with self.lock:
                 self._check_deadline(deadline_ns)
                 self._attach(pool)
                 if shared:
-                    self._await_promotion(lease)
+                    self.engine.wait_promotion(lease)  # its lower-tier chunks, read into host memory
                 end = _load(self.engine, keys, block_ids, args, by_layer, after)
                 if transient:
                     self._detach_locked()
@@ -173,12 +173,6 @@ class Shard:
                 entry = self._pools[pool] = (self.engine.loads_into(pool), threading.Lock())
         with entry[1]:
             yield entry[0]
-
-    def _await_promotion(self, lease: Hashable) -> None:
-        """Until the lower-tier chunks of the lease's hit are read into host memory (bounded)."""
-        deadline = time.monotonic() + self.engine.config.lease_timeout_s
-        while not self.engine.promotion_done(lease) and time.monotonic() < deadline:
-            time.sleep(0.0005)
 
     def _loaded(self, lease: Hashable) -> None:
         """One more rank's load under ``lease`` has pinned its slots (or failed): at the last

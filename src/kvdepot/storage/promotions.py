@@ -3,6 +3,7 @@
     find(keys, found, lease) -> int   chunks after the host hit ``keys[:found]`` that the lower
                                       tiers hold; with ``lease``, start promoting them
     settle(lease)                     before ``lease``'s load: wait (bounded) for its promotion
+    wait(lease)                       the same, leaving the promotion to the lease's loads
     done(lease) / release(lease) / wait_all(timeout) / close()
 
 A promoted chunk is read straight into a reserved host slot (reserve; the tier reads into it, the
@@ -69,7 +70,13 @@ class Promotions:
 
     def settle(self, lease: Any) -> None:
         """Take ``lease``'s promotion (its load runs now) and wait for it, up to the lease timeout."""
-        promotion = self._by_lease.pop(lease, None) if lease is not None else None
+        self._wait(lease, self._by_lease.pop(lease, None) if lease is not None else None)
+
+    def wait(self, lease: Any) -> None:
+        """Wait, up to the lease timeout, for ``lease``'s promotion, leaving it to its load."""
+        self._wait(lease, self._by_lease.get(lease))
+
+    def _wait(self, lease: Any, promotion: Future[int] | None) -> None:
         if promotion is not None:
             try:
                 promotion.result(timeout=self._lease_timeout_s)
