@@ -30,7 +30,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,8 +97,11 @@ class StubDriver:
         self._memset(self._scratch, 0, nbytes)
         return time.perf_counter() - t0
 
-    def stream(self, views: Sequence[Any], copies: Sequence[Any]) -> Any:
-        return 7  # as if on a CUDA stream, with pinned buffers
+    def stream(self, views: Sequence[Any]) -> Any:
+        return 7  # as if on a CUDA stream
+
+    def pinned(self, hosts: Sequence[Any]) -> bool:
+        return True  # as if the arena were pinned
 
     def lane(self, stream: Any) -> Any:
         return 8
@@ -124,6 +127,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--driver-us-per-copy", type=float, default=0.0,
                         help="batch path: host time the stubbed driver call spends per copy, GIL released (H200 host: ~1.3; "
                              "emulated by a memset, which also sweeps the caches); 0: our own host work only")
+    parser.add_argument("--sweep-mib", type=int, default=0,
+                        help="MiB written before each timed operation, as the last operation's DMA sweeps the host's "
+                             "caches on a GPU (H200 host: numpy calls then cost 5-15x their hot-loop time); 0: none")
     parser.add_argument("--profile", action="store_true", help="also print cProfile's top 25 functions of each path and shape")
     add_output_arguments(parser)
 
@@ -134,6 +140,19 @@ class Rig:
     batches: list[tuple[list, list[int]]]
     held: tuple[list, list[int]]
     tokens: int
+    sweep: Callable[[], None] = lambda: None  # sweeps the caches (``--sweep-mib``) before a timed op
+
+
+def _sweeper(mib: int) -> Callable[[], None]:
+    """A function that writes ``mib`` MiB (libc memset, GIL released): on a GPU host every
+    operation follows the last one's DMA, which leaves the CPU caches cold; hot-loop timings
+    miss that (issue 19: the H200 host's first copy came 2-5x later than this bench predicted)."""
+    if mib <= 0:
+        return lambda: None
+    memset = ctypes.CDLL(None).memset
+    memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    buf = ctypes.create_string_buffer(mib << 20)
+    return lambda: memset(buf, 1, mib << 20)
 
 
 def _build(layers: int, heads: int, dim: int, tpb: int, args: argparse.Namespace, mover: Any, streams: Any) -> Rig:
@@ -161,7 +180,7 @@ def _build(layers: int, heads: int, dim: int, tpb: int, args: argparse.Namespace
     batches = [batch() for _ in range(4 + 2 * args.reps)]
     for keys, ids in batches[:4]:  # fill the arena once over: every timed store evicts
         engine.store(keys, ids).wait()
-    return Rig(engine, batches[4:], batches[3], moved * tpb)
+    return Rig(engine, batches[4:], batches[3], moved * tpb, _sweeper(getattr(args, "sweep_mib", 0)))
 
 
 def _store(rig: Rig, n: int) -> Any:
@@ -183,12 +202,14 @@ def _bookkeeping(rig: Rig, reps: int) -> dict[str, list[float]]:
     engine, held = rig.engine, rig.held[0]
     times: dict[str, list[float]] = {"store": [], "lookup": [], "lookup+lease": [], "retrieve": []}
     for n in range(reps):
+        rig.sweep()
         t0 = time.perf_counter()
         _store(rig, n)
         t1 = time.perf_counter()
         engine.lookup(held)  # as bench transfer does; also keeps ``held`` recently used
         t2 = time.perf_counter()
         engine.lookup(held, lease=n)  # as the adapters do: pin until the load
+        rig.sweep()
         t3 = time.perf_counter()
         _retrieve(rig, n)
         t4 = time.perf_counter()
@@ -202,6 +223,7 @@ def _batch(rig: Rig, reps: int, stamps: Stamps) -> dict[str, list[tuple[float, f
     engine, held = rig.engine, rig.held[0]
     out: dict[str, list[tuple[float, float, float]]] = {"store": [], "retrieve": [], "both: store": [], "both: retrieve": []}
     for n in range(reps):
+        rig.sweep()
         stamps.calls.clear()
         t0 = time.perf_counter()
         handle = _store(rig, 2 * n)
@@ -209,6 +231,7 @@ def _batch(rig: Rig, reps: int, stamps: Stamps) -> dict[str, list[tuple[float, f
         handle.wait()
         out["store"].append(((t1 - t0) * 1e6, (stamps.first(True) - t0) * 1e6, (stamps.last(True) - t0) * 1e6))
         engine.lookup(held, lease=n)
+        rig.sweep()
         stamps.calls.clear()
         t0 = time.perf_counter()
         _retrieve(rig, n)
@@ -216,6 +239,7 @@ def _batch(rig: Rig, reps: int, stamps: Stamps) -> dict[str, list[tuple[float, f
         out["retrieve"].append(((t1 - t0) * 1e6, (stamps.first(False) - t0) * 1e6, (stamps.last(False) - t0) * 1e6))
         # Both at once, as bench transfer's row: a store, then a load right behind it.
         engine.lookup(held, lease=("both", n))
+        rig.sweep()
         stamps.calls.clear()
         t0 = time.perf_counter()
         handle = _store(rig, 2 * n + 1)
