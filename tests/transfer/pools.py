@@ -78,20 +78,25 @@ def regions(views, buf):
 class HostDriver:
     """A ``cuda_batch.BatchDriver`` on CPU memory: each call copies at once with memmove (the copy
     engines, played synchronously), reading the copy list through the same three pointers the CUDA
-    driver gets. It records every call (rows, stream, thread), refuses call number ``refuse_call``
+    driver gets; with ``unpinned`` it calls every host buffer pageable. It records every call (rows, stream, thread), refuses call number ``refuse_call``
     (as the driver does: before copying any of it), and, with ``gate_call``, holds that call until
     ``gate`` is set (a driver call in progress, for tests of two threads)."""
 
-    def __init__(self, refuse_call: int | None = None, gate_call: int | None = None) -> None:
-        self.refuse_call, self.gate_call = refuse_call, gate_call
+    def __init__(self, refuse_call: int | None = None, gate_call: int | None = None, unpinned: bool = False) -> None:
+        self.refuse_call, self.gate_call, self.unpinned = refuse_call, gate_call, unpinned
+        self.pinned_checks: list[int] = []  # host allocations per ``pinned`` call
         self.gate, self.entered = threading.Event(), threading.Event()
         self.calls: list[dict[str, Any]] = []
         self.lanes: list[str] = []
         self.joins: list[tuple[Any, Any]] = []
         self._lock = threading.Lock()
 
-    def stream(self, views, copies) -> Any:
+    def stream(self, views) -> Any:
         return "stream"
+
+    def pinned(self, hosts) -> bool:
+        self.pinned_checks.append(len(hosts))
+        return not self.unpinned
 
     def lane(self, stream: Any) -> Any:
         self.lanes.append(f"lane{len(self.lanes) + 1}")

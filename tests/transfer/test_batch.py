@@ -220,7 +220,7 @@ def _windows(driver: HostDriver) -> list[tuple[int, ...]]:
 def test_a_head_takes_windows_up_to_its_bytes_and_the_rest_takes_the_others_once():
     views, copies, expected, per_block = _store_case()
     driver = HostDriver()
-    mover = BatchBlockMover(window_bytes=4 * per_block, first_window_bytes=per_block, driver=driver)
+    mover = BatchBlockMover(window_bytes=4 * per_block, first_window_bytes=per_block, early_bytes=0, driver=driver)
     move = mover.prepare_gather(views, copies)
     move.head(3 * per_block)  # windows of 1 and 2 blocks end within 3 blocks; the next (4) would not
     assert [sum(c["sizes"]) for c in driver.calls] == [per_block, 2 * per_block]
@@ -234,11 +234,79 @@ def test_a_head_takes_windows_up_to_its_bytes_and_the_rest_takes_the_others_once
     small.rest()
 
 
+@pytest.mark.parametrize("to_host", [True, False])
+@pytest.mark.parametrize(("early_blocks", "calls"), [
+    (3, [[1, 1, 1], [1] * 4, [1] * 4, [1]]),  # a byte bound that splits the second chunk; numpy lists the rest
+    (100, [[1] * 4] * 3),  # Python windows (4 copies, then up to 8 but a window's 4 blocks) list it all
+    (0, [[1], [1, 1], [1] * 4, [1] * 4, [1]]),  # none: numpy from the first window (growing from one block)
+])
+def test_early_windows_built_in_python_then_the_rest_move_every_block_once(to_host, early_blocks, calls):
+    """The first windows of a one-view move are built in plain Python (``plan.head_list``: 4 copies,
+    then 8, 16, ..., within ``window_bytes``, up to ``early_bytes``), each enqueued before the next
+    is listed, then the rest with numpy in windows growing on from the last early one's size. Each window holds the next
+    blocks in order; every block moves once, bit-exact, in either direction."""
+    views, copies, expected, per_block = _store_case()
+    driver = HostDriver()
+    mover = BatchBlockMover(window_bytes=4 * per_block, first_window_bytes=per_block, early_bytes=early_blocks * per_block,
+                            driver=driver)
+    if to_host:
+        mover.gather_many(views, copies)
+        assert all(torch.equal(cp.host, e) for cp, e in zip(copies, expected, strict=True))
+    else:
+        for cp, e in zip(copies, expected, strict=True):
+            cp.host.copy_(e)
+        listed = [b for cp in copies for b in cp.block_ids]
+        original = views[0][listed].clone()
+        views[0].zero_()
+        mover.scatter_many(copies, views)
+        assert torch.equal(views[0][listed], original)
+    assert [[size // per_block for size in c["sizes"]] for c in driver.calls] == calls
+    order = [b for cp in copies for b in cp.block_ids]
+    pool_side = [a for c in driver.calls for a in c["src" if to_host else "dst"]]
+    assert pool_side == [views[0][b].data_ptr() for b in order]  # random ids: one copy per block, in order
+    # Each host allocation (a chunk's buffer) is asked about once per move.
+    assert sum(driver.pinned_checks) == len(copies)
+
+
+def test_an_early_window_merges_blocks_that_follow_each_other():
+    """Consecutive pool blocks in one host buffer are one copy in the early windows too; a chunk's
+    own buffer starts a new copy (another allocation)."""
+    c = dict(num_blocks=16, layers=2, kv=2, elems=16, dtype=torch.float16, per_layer=False, seed=3)
+    pool, views, gen = make_pool(c, "cpu")
+    per_block = views[0].shape[1]
+    copies = [ChunkCopy(list(range(3 * k, 3 * k + 3)), random_bytes((3 * per_block,), gen)) for k in range(5)]
+    driver = HostDriver()
+    BatchBlockMover(driver=driver).gather_many(views, copies)
+    assert [c["sizes"] for c in driver.calls] == [[3 * per_block] * 4, [3 * per_block]]  # 4 copies, then 1
+    assert driver.bytes_moved() == 15 * per_block
+    for cp in copies:
+        assert torch.equal(cp.host.view(3, -1), views[0][cp.block_ids])
+
+
+def test_host_buffers_the_driver_cannot_copy_are_moved_by_torch_however_far_the_move_got():
+    """A pageable buffer among the early window's, or only among the rest's (the early window
+    already enqueued): torch copies the whole move, bit-exact, and nothing is counted refused."""
+    views, copies, expected, per_block = _store_case()
+
+    class RestUnpinned(HostDriver):
+        def pinned(self, hosts):
+            super().pinned(hosts)
+            return len(self.pinned_checks) == 1  # the early window's buffers only
+
+    for driver, calls in ((HostDriver(unpinned=True), 0), (RestUnpinned(), 1)):
+        for cp in copies:
+            cp.host.zero_()
+        mover = BatchBlockMover(early_bytes=3 * per_block, driver=driver)
+        mover.gather_many(views, copies)
+        assert len(driver.calls) == calls and mover.refused == 0
+        assert all(torch.equal(cp.host, e) for cp, e in zip(copies, expected, strict=True))
+
+
 def test_a_head_on_one_thread_and_the_rest_on_another_move_every_block_once():
     """As the engine does it: the caller's thread enqueues the head, the issuer thread the rest."""
     views, copies, expected, per_block = _store_case()
     driver = HostDriver()
-    mover = BatchBlockMover(window_bytes=2 * per_block, first_window_bytes=per_block, driver=driver)
+    mover = BatchBlockMover(window_bytes=2 * per_block, first_window_bytes=per_block, early_bytes=0, driver=driver)
     move = mover.prepare_gather(views, copies)
     caller = threading.Thread(target=move.head, args=(3 * per_block,), name="caller")
     caller.start()
@@ -265,7 +333,7 @@ def test_what_the_head_cannot_do_is_raised_by_the_rest_or_redone_by_torch(caplog
     with pytest.raises(ValueError, match="not a refusal"):
         move.rest()
     driver = HostDriver(refuse_call=1)
-    mover = BatchBlockMover(window_bytes=2 * per_block, first_window_bytes=per_block, driver=driver)
+    mover = BatchBlockMover(window_bytes=2 * per_block, first_window_bytes=per_block, early_bytes=0, driver=driver)
     move = mover.prepare_gather(views, copies)
     with caplog.at_level("WARNING", logger="kvdepot"):
         move.head(1 << 30)
@@ -276,12 +344,14 @@ def test_what_the_head_cannot_do_is_raised_by_the_rest_or_redone_by_torch(caplog
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("early", [0, 3, None])
 @pytest.mark.parametrize("lanes", [1, 2])
-def test_batch_mover_on_cuda_with_lanes_and_a_store_issued_by_two_threads(lanes):
+def test_batch_mover_on_cuda_with_lanes_and_a_store_issued_by_two_threads(lanes, early):
     """On the device: a store whose head is enqueued by a fresh thread (its first driver call
     needs the context made current there) and the rest by another, on the same stream (with
     lanes joined back into it), then a load of it all into a poisoned pool; the stream waited
-    on sees every byte."""
+    on sees every byte. ``early``: the Python-built first window off, of 3 blocks (splitting a
+    chunk), or the default (32 blocks: half the move)."""
     from kvdepot.transfer import cuda_batch
 
     if not cuda_batch.available():
@@ -290,7 +360,8 @@ def test_batch_mover_on_cuda_with_lanes_and_a_store_issued_by_two_threads(lanes)
     pool, views, gen = make_pool(c, "cuda")
     original = pool.view(torch.uint8).cpu().clone()
     per_block = views[0].shape[1]
-    mover = BatchBlockMover(window_bytes=8 * per_block, first_window_bytes=per_block, lanes=lanes)
+    sizes = {} if early is None else {"early_bytes": early * per_block}
+    mover = BatchBlockMover(window_bytes=8 * per_block, first_window_bytes=per_block, lanes=lanes, **sizes)
     ids = torch.randperm(64, generator=gen).tolist()
     copies = [ChunkCopy(ids[k : k + 4], host_buffer(4, per_block, gen, "cuda")) for k in range(0, 64, 4)]
     side = torch.cuda.Stream()
@@ -313,3 +384,33 @@ def test_batch_mover_on_cuda_with_lanes_and_a_store_issued_by_two_threads(lanes)
     pool.view(torch.uint8).zero_()
     run_on_side_stream("cuda", lambda: mover.scatter_many(copies, views))
     assert torch.equal(pool.view(torch.uint8).cpu(), original) and mover.refused == 0
+
+
+@pytest.mark.gpu
+def test_the_driver_remembers_a_pinned_allocation_only_while_its_owner_lives():
+    """``CudaDriver.pinned`` asks the driver once per allocation and remembers the answer through
+    the tensor that owns the memory (a slot's base): once that is gone, so is the answer, and an
+    allocation reusing the address is asked again; pageable memory is never taken for pinned."""
+    driver = cuda_batch.CudaDriver()
+    segment = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
+    slot = segment[4096:8192]
+    key = slot.untyped_storage().data_ptr()
+    assert driver.pinned([slot]) and driver._pinned[key]() is segment
+    assert driver.pinned([segment[0:4096]])  # remembered: the same owner
+    assert not driver.pinned([torch.empty(4096, dtype=torch.uint8)])
+    assert not driver.pinned([torch.empty(4096, dtype=torch.uint8, device="cuda")])
+    del slot, segment
+    assert driver._pinned[key]() is None
+
+
+def test_the_issuer_starts_its_part_of_a_store_with_a_small_window_again():
+    """After the caller's head, the issuer (just woken, the copy engines maybe idle) lists its
+    first window small again (4 copies), then doubles: it does not carry on from the head's size."""
+    views, copies, expected, per_block = _store_case()
+    driver = HostDriver()
+    mover = BatchBlockMover(window_bytes=64 * per_block, early_bytes=64 * per_block, driver=driver)
+    move = mover.prepare_gather(views, copies)
+    move.head(3 * per_block)  # the first window (4 copies) always goes, whatever the head's bytes
+    move.rest()
+    assert [len(c["sizes"]) for c in driver.calls] == [4, 4, 4]  # not 4, then 8
+    assert all(torch.equal(cp.host, e) for cp, e in zip(copies, expected, strict=True))

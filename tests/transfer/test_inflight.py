@@ -32,7 +32,7 @@ def _engine(driver: HostDriver, head_blocks: float = 64, seed: int = 0):
     layout = PoolLayout.from_pool(pool, TPB, TPB * BPC)
     config = load_config(chunk_size=TPB * BPC, host_capacity_gb=64 * BPC * per_block / 1e9, pin_host_memory="false",
                          store_head_mib=head_blocks * per_block / 2**20)
-    mover = BatchBlockMover(window_bytes=4 * per_block, first_window_bytes=per_block, driver=driver)
+    mover = BatchBlockMover(window_bytes=4 * per_block, first_window_bytes=per_block, early_bytes=0, driver=driver)
     engine = CacheEngine(layout, config, mover=mover, streams=ImmediateStreams())
     engine.register_pool(pool)
     return engine, pool.view(torch.uint8).view(BLOCKS, -1)

@@ -15,7 +15,14 @@ from pools import HostDriver, cases, make_pool, random_bytes
 
 from kvdepot.transfer import BatchBlockMover, TorchBlockMover
 from kvdepot.transfer.base import ChunkCopy
-from kvdepot.transfer.plan import PoolViews, block_addresses, copy_list, make_plan, plan_of
+from kvdepot.transfer.plan import (
+    PoolViews,
+    block_addresses,
+    copy_list,
+    head_list,
+    make_plan,
+    plan_of,
+)
 
 
 def _execute(listing) -> None:
@@ -88,6 +95,54 @@ def test_copy_list_moves_exactly_what_the_reference_mover_moves(c, data):
     raw.copy_(poison)
     TorchBlockMover().scatter_many(reference, views)
     assert torch.equal(ours, raw)
+
+
+def _per_block(listing, per_block: int) -> list[tuple[int, int]]:
+    """Each block-sized (destination, source) pair a list's copies cover."""
+    return [(d + k, s_ + k) for d, s_, n in zip(listing.dst.tolist(), listing.src.tolist(), listing.sizes.tolist(),
+                                                strict=True) for k in range(0, n, per_block)]
+
+
+@settings(max_examples=120, deadline=None)
+@given(c=cases(), data=st.data())
+def test_an_early_list_and_the_rest_cover_what_copy_list_covers(c, data):
+    """``head_list`` (plain Python) then ``copy_list`` of what it leaves: the same block pairs as
+    ``copy_list`` of the whole move, in order, within the early list's bounds, its copies merged
+    as ``copy_list`` merges them (one copy at most cut in two where it stops), and executed they
+    store and load exactly what the reference mover does."""
+    c = {**c, "per_layer": False}  # one view: TensorRT-LLM's cross-layer pool
+    pool, views, gen = make_pool(c, "cpu")
+    if data.draw(st.booleans()):
+        c["ids"] = sorted(c["ids"])
+    per_block = views[0].shape[1]
+    copies = _chunked(c["ids"], data, per_block, gen, adjacent=data.draw(st.booleans()))
+    reference = [ChunkCopy(cp.block_ids, cp.host.clone(), cp.first) for cp in copies]
+    TorchBlockMover().gather_many(views, reference)
+    plan = make_plan(views)
+    max_bytes = data.draw(st.integers(1, len(c["ids"]) + 1)) * per_block - data.draw(st.integers(0, per_block - 1))
+    max_copies = data.draw(st.integers(1, 6))
+    for to_host in (True, False):
+        early, taken, rest = head_list(plan, copies, to_host=to_host, max_bytes=max_bytes, max_copies=max_copies)
+        whole, tail = copy_list(plan, copies, to_host=to_host), copy_list(plan, rest, to_host=to_host)
+        assert _per_block(early, per_block) + _per_block(tail, per_block) == _per_block(whole, per_block)
+        assert early.count <= max_copies and early.count + tail.count - whole.count in (0, 1)
+        assert taken == int(early.sizes.sum()) and taken < max_bytes + per_block and (taken >= max_bytes or early.count == max_copies or not rest)
+        assert whole.count == 0 or early.count >= 1
+        if to_host:
+            _execute(early)
+            _execute(tail)
+            for ours, theirs in zip(copies, reference, strict=True):
+                assert torch.equal(ours.host, theirs.host)
+        else:
+            raw = pool.view(torch.uint8)
+            poison = random_bytes(raw.shape, gen)
+            raw.copy_(poison)
+            _execute(early)
+            _execute(tail)
+            ours = raw.clone()
+            raw.copy_(poison)
+            TorchBlockMover().scatter_many(reference, views)
+            assert torch.equal(ours, raw)
 
 
 def _allocation(allocations, address: int) -> int:

@@ -1,15 +1,20 @@
 """Block moves as one DMA per run of adjacent blocks, handed to the driver a window at a time.
 
 The per-run mover (``runs``) issues each copy from Python; the staged mover gathers blocks into
-a device window first so that it has few copies to issue. This mover builds every copy's
-addresses with numpy (``plan.copy_list``: the pool's side fixed at registration), merges blocks
-that are adjacent in both the pool and the host buffer into one copy, and enqueues a window's
-copies with a single ``cuMemcpyBatchAsync`` (``cuda_batch``). No staging memory, no kernels, no
-SMs: copy engines only.
+a device window first so that it has few copies to issue. This mover lists every copy's
+addresses (the pool's side fixed at registration, ``plan.PoolPlan``), merges blocks that are
+adjacent in both the pool and the host buffer into one copy, and enqueues a window's copies with
+a single ``cuMemcpyBatchAsync`` (``cuda_batch``). No staging memory, no kernels, no SMs: copy
+engines only.
 
-Windows keep the first copies running while later windows are handed over: the first is small
-(2 MiB) so that the copy engines start at once, and they double up to 64 MiB (``window_bounds``).
-Measured on the H200 (perf-notes, runs O and Q): the best mover from 256 KiB blocks up, with no SMs
+Windows keep the copy engines fed while later windows are listed and handed over. In a
+cross-layer pool (TensorRT-LLM's; one view) the first 64 MiB are listed in plain Python a window
+at a time (``plan.head_list``: 4 copies, then 8, 16, 32), each enqueued before the next is
+listed, so that the engines start after a few blocks' worth of host work; the rest is listed
+with numpy (``plan.copy_list``) in windows doubling up to 64 MiB (``window_bounds``). Why Python
+first: an operation on a GPU host starts with the CPU caches swept by the last one's DMA, where
+each numpy call costs 5-15x its hot-loop time (issue 19, docs/perf-notes.md). Measured on the
+H200 (perf-notes, runs O, Q and Y-AD): the best mover from 256 KiB blocks up, with no SMs
 taken from the forward; ``auto`` picks it wherever the driver has the call. ``scatter_layers``
 loads a cross-layer pool one layer at a time, for TensorRT-LLM's ``wait_for_layer_load``.
 
@@ -36,11 +41,13 @@ import torch
 
 from kvdepot.transfer.base import ChunkCopy, OneChunk
 from kvdepot.transfer.cuda_batch import CUDA_DRIVER, BatchDriver
-from kvdepot.transfer.plan import CopyList, block_addresses, copy_list, plan_of
+from kvdepot.transfer.plan import CopyList, PoolPlan, block_addresses, copy_list, head_list, plan_of
 from kvdepot.transfer.torch_mover import TorchBlockMover
 
 WINDOW_BYTES = 64 << 20
 FIRST_WINDOW_BYTES = 2 << 20
+EARLY_BYTES = 64 << 20  # how much of a one-view move is listed in Python (``plan.head_list``) ...
+EARLY_COPIES = (4, 32)  # ... in windows of at most 4 copies, then 8, 16, 32, 32, ... (and ``window_bytes``)
 logger = logging.getLogger("kvdepot")
 
 
@@ -84,15 +91,19 @@ class BatchBlockMover(OneChunk):
     copies_by_layer = True
 
     def __init__(self, window_bytes: int = WINDOW_BYTES, first_window_bytes: int | None = FIRST_WINDOW_BYTES, *,
-                 lanes: int = 1, driver: BatchDriver = CUDA_DRIVER) -> None:
+                 lanes: int = 1, early_bytes: int = EARLY_BYTES, driver: BatchDriver = CUDA_DRIVER) -> None:
         """``first_window_bytes``: the first window's size (doubling up to ``window_bytes``); None:
-        all equal. ``lanes``: streams a move's windows alternate on (config ``transfer_lanes``).
+        all equal. ``early_bytes``: how much of a one-view move is listed in Python, a window at a
+        time (4 copies, then twice as many each time up to 32), before the rest of its copy list
+        (0: none).
+        ``lanes``: streams a move's windows alternate on (config ``transfer_lanes``).
         ``driver``: the device's side of it (``cuda_batch.CudaDriver``; tests and CPU benches pass
         another)."""
         if lanes < 1:
             raise ValueError(f"lanes={lanes} must be >= 1")
         self.window_bytes = window_bytes
         self.first_window_bytes = first_window_bytes
+        self.early_bytes = early_bytes
         self.lanes = lanes
         self.driver = driver
         self.refused = 0  # batches the driver refused (each then copied by torch)
@@ -124,7 +135,9 @@ class BatchBlockMover(OneChunk):
         layer = 0
         plan = plan_of(views)
         # Every step enqueues on the stream current at the first (``LayeredLoad`` keeps one side stream).
-        stream = self.driver.stream(views, copies) if plan is not None and plan.views == 1 else None
+        stream = self.driver.stream(views) if plan is not None and plan.views == 1 else None
+        if stream is not None and not self.driver.pinned(_hosts(copies)):
+            stream = None
         if stream is not None and plan is not None and int(plan.seg[0]) % num_layers == 0:
             pool, host = block_addresses(plan, copies)
             table = np.empty((3, len(pool)), dtype=np.int64)
@@ -150,6 +163,11 @@ class BatchBlockMover(OneChunk):
                            "(%d refused so far)", exc, self.refused)
 
 
+def _hosts(copies: Sequence[ChunkCopy]) -> list[torch.Tensor]:
+    """One host tensor per allocation among ``copies``' buffers (for ``BatchDriver.pinned``)."""
+    return list({c.host.untyped_storage().data_ptr(): c.host for c in copies}.values())
+
+
 class _BatchMove:
     """One gather or scatter, enqueued window by window: all by one thread, or a store's by two
     in turn — the engine's caller enqueues the first windows (``head``), then hands the store
@@ -157,26 +175,35 @@ class _BatchMove:
     is woken only after the head has returned, so neither waits for the GIL behind the other
     within the call (a thread back from a driver call rarely wins the GIL from a busy one).
 
+    The first windows of a one-view move (up to ``early_bytes``, 64 MiB) are built in plain
+    Python (``plan.head_list``), each enqueued before the next is built, and the rest of the copy
+    list with numpy after them. The copy engines start after four blocks' worth of host work, and
+    each window is listed while the one before it copies (H200, issue 19: a numpy list of 256
+    blocks took 120-150 us after the engines had started, and they sat idle for it).
+
     A window the driver refuses stops the move, and ``rest`` moves it all again with torch: the
     driver checks a batch before it runs any of it, and a block copied twice gets the same bytes."""
 
     def __init__(self, mover: BatchBlockMover, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy], *,
                  to_host: bool) -> None:
         self._mover, self._views, self._copies, self._to_host = mover, views, copies, to_host
-        self._built = False
+        self._started = False
         self._stream: Any = None  # where the windows go (None: torch copies in ``rest``)
+        self._plan: PoolPlan | None = None
         self._lanes: list[Any] = []  # the stream, then the lanes windows alternate on
-        self._list: CopyList | None = None
-        self._bounds: list[tuple[int, int]] = []
+        self._windows: list[tuple[CopyList, int, int, int]] = []  # list, lo, hi, bytes of the move through it
+        self._unlisted: Sequence[ChunkCopy] | None = None  # chunk parts whose copy list is not built yet
         self._next = 0  # the next window to enqueue
+        self._step = 0  # early windows listed by this thread: 4 copies, then 8, 16, 32
+        self._checked: set[int] = set()  # host allocations the driver may copy
+        self._by_torch = False  # part of the move cannot go through the batch call: torch copies it all
         self._refusal: RuntimeError | None = None
         self._error: BaseException | None = None  # what ``head`` could not do, raised by ``rest``
 
     def head(self, max_bytes: int) -> None:
         try:
-            self._build()
-            while self._next < len(self._bounds) and self._refusal is None and (
-                    not self._next or self._list.ends[self._bounds[self._next][1] - 1] <= max_bytes):  # type: ignore[union-attr]
+            self._start()
+            while self._window_left(max_bytes) and (not self._next or self._windows[self._next][3] <= max_bytes):
                 self._enqueue()
         except BaseException as exc:  # NOTE: a thread boundary: ``rest`` raises it on the issuer
             self._error = exc
@@ -184,14 +211,15 @@ class _BatchMove:
     def rest(self) -> None:
         if self._error is not None:
             raise self._error
+        self._step = 0  # a store's issuer, just woken, starts small again: the engines may be idle
         try:
-            self._build()
-            while self._next < len(self._bounds) and self._refusal is None:
+            self._start()
+            while self._window_left():
                 self._enqueue()
         finally:
             for lane in self._lanes[1:]:  # the move's stream ends after every lane's windows
                 self._mover.driver.join(self._stream, lane)
-        if self._stream is None or self._refusal is not None:
+        if self._stream is None or self._refusal is not None or self._by_torch:
             if self._refusal is not None:
                 self._mover._refused(self._refusal)
             fallback = self._mover._fallback
@@ -200,28 +228,72 @@ class _BatchMove:
             else:
                 fallback.scatter_many(self._copies, self._views)
 
-    def _build(self) -> None:
-        """The stream, copy list, windows and lanes, once, all set or none: if building raises,
-        the move has no window and the error reaches ``rest``'s caller."""
-        if self._built:
+    def _start(self) -> None:
+        """The stream, once (None: torch copies it all in ``rest``)."""
+        if self._started:
             return
-        self._built = True
-        mover = self._mover
+        self._started = True
         plan = plan_of(self._views)
-        stream = mover.driver.stream(self._views, self._copies) if plan is not None else None
-        if stream is None or plan is None:
+        stream = self._mover.driver.stream(self._views) if plan is not None else None
+        if stream is not None and plan is not None:
+            self._stream, self._plan, self._lanes, self._unlisted = stream, plan, [stream], self._copies
+
+    def _window_left(self, limit: int | None = None) -> bool:
+        """Whether a window is left to enqueue. Windows are listed as they are needed: first in
+        Python (one view: 4 copies, then 8, 16 and 32 at a time up to ``early_bytes``), each
+        enqueued before the next is built, then the rest of the move at once with numpy. At most
+        32 copies, because whoever lists the next window (a store's issuer, just woken) leaves the
+        copy engines idle until its first call returns: a window of 128 256 KiB blocks took
+        ~240 us to list and hand over on the H200's host, 32 take ~60 and copy for ~150."""
+        if self._next == len(self._windows) and self._unlisted and not self._by_torch and self._refusal is None:
+            done = self._windows[-1][3] if self._windows else 0
+            if limit is not None and done and done >= limit:
+                return False  # a head stops here, listing nothing more for the issuer
+            if done < self._mover.early_bytes and self._plan.views == 1:  # type: ignore[union-attr]
+                room = self._mover.early_bytes - done if limit is None or not done else min(limit, self._mover.early_bytes) - done
+                self._list_early(min(EARLY_COPIES[0] << self._step, EARLY_COPIES[1]), done, room)
+                self._step += 1
+            else:
+                self._list_rest(done)
+        return self._next < len(self._windows) and not self._by_torch and self._refusal is None
+
+    def _list_early(self, copies: int, done: int, room: int) -> None:
+        mover = self._mover
+        room = min(room, mover.window_bytes)
+        listing, taken, self._unlisted = head_list(self._plan, self._unlisted, to_host=self._to_host,  # type: ignore[arg-type]
+                                                   max_bytes=room, max_copies=copies)
+        if listing.count and self._pinned(listing):
+            self._windows.append((listing, 0, listing.count, done + taken))
+
+    def _list_rest(self, done: int) -> None:
+        mover, copies, self._unlisted = self._mover, self._unlisted, None
+        listing = copy_list(self._plan, copies, to_host=self._to_host)  # type: ignore[arg-type]
+        if not listing.count or not self._pinned(listing):
             return
-        listing = copy_list(plan, self._copies, to_host=self._to_host)
-        bounds = _bounds(listing.ends, mover.window_bytes, mover.first_window_bytes)
-        lanes = [stream] + [mover.driver.lane(stream) for _ in range(min(mover.lanes, len(bounds)) - 1)]
-        self._stream, self._list, self._bounds, self._lanes = stream, listing, bounds, lanes
+        # Growing on from the last early window's size (equal windows stay equal).
+        first = self._windows[-1][3] - (self._windows[-2][3] if len(self._windows) > 1 else 0) if done else 0
+        first = 2 * first if first and mover.first_window_bytes is not None else mover.first_window_bytes
+        for lo, hi in _bounds(listing.ends, mover.window_bytes, first):
+            self._windows.append((listing, lo, hi, done + int(listing.ends[hi - 1])))
+        wanted = min(mover.lanes, len(self._windows) - self._next)
+        self._lanes += [mover.driver.lane(self._stream) for _ in range(wanted - len(self._lanes))]
+
+    def _pinned(self, listing: CopyList) -> bool:
+        """Whether the driver may copy ``listing``'s host buffers (each allocation asked once per
+        move); if not, torch copies the whole move (``rest``)."""
+        fresh = [h for h in listing.hosts if h.untyped_storage().data_ptr() not in self._checked]
+        if fresh and not self._mover.driver.pinned(fresh):
+            self._by_torch = True
+            return False
+        self._checked.update(h.untyped_storage().data_ptr() for h in fresh)
+        return True
 
     def _enqueue(self) -> None:
         """The next window, on its stream (the move's and its lanes in turn)."""
-        lo, hi = self._bounds[self._next]
+        listing, lo, hi, _ = self._windows[self._next]
         stream = self._lanes[self._next % len(self._lanes)]
         self._next += 1
         try:
-            self._mover.driver.copy(self._list, lo, hi, stream)  # type: ignore[arg-type]
+            self._mover.driver.copy(listing, lo, hi, stream)
         except RuntimeError as exc:
             self._refusal = exc

@@ -24,13 +24,15 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kvdepot.transfer.streams import current_stream
+
 if TYPE_CHECKING:
-    from kvdepot.transfer.base import ChunkCopy
     from kvdepot.transfer.plan import CopyList
 
 _SYMBOL = "cuMemcpyBatchAsync_v2"
@@ -99,9 +101,13 @@ def memcpy_batch(copies: CopyList, lo: int, hi: int, stream: int) -> None:
 class BatchDriver(Protocol):
     """What the batch mover needs of a device."""
 
-    def stream(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> Any | None:
-        """The current stream if the batch call can serve this move on it, else None (then the
-        mover copies with torch)."""
+    def stream(self, views: Sequence[torch.Tensor]) -> Any | None:
+        """The current stream if the batch call can serve moves of ``views`` on it, else None
+        (then the mover copies with torch)."""
+        ...
+
+    def pinned(self, hosts: Sequence[torch.Tensor]) -> bool:
+        """Whether the batch call may copy to and from these host buffers (one per allocation)."""
         ...
 
     def lane(self, stream: Any) -> Any:
@@ -125,14 +131,33 @@ class CudaDriver:
         self._lanes: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
         self._lock = threading.Lock()  # a store's issuer and a load's caller make lanes at once
         self._bound = threading.local()  # devices whose context this thread has made current
+        self._pinned: dict[int, weakref.ref[torch.Tensor]] = {}  # allocation -> its pinned owner tensor
 
-    def stream(self, views: Sequence[torch.Tensor], copies: Sequence[ChunkCopy]) -> Any | None:
+    def stream(self, views: Sequence[torch.Tensor]) -> Any | None:
         if not views or not views[0].is_cuda or not available():
             return None
-        stream = torch.cuda.current_stream(views[0].device)
-        if stream.cuda_stream == 0 or not _all_pinned(copies):
-            return None
-        return stream
+        stream = current_stream(views[0].device)
+        return None if stream.cuda_stream == 0 else stream
+
+    def pinned(self, hosts: Sequence[torch.Tensor]) -> bool:
+        # The batch call's copies run from pinned memory; torch copies pageable memory correctly,
+        # synchronously. ``is_pinned`` asks the driver (~15 us on the H200's host as an operation
+        # starts), so an allocation found pinned is remembered for as long as the tensor owning
+        # it lives (an arena segment: a slot's base): while it does, its memory cannot be freed
+        # and its address reused by pageable memory.
+        for h in hosts:
+            owner = h._base if h._base is not None else h
+            key = h.untyped_storage().data_ptr()
+            known = self._pinned.get(key)
+            if known is not None and known() is owner:
+                continue
+            if h.is_cuda or not h.is_pinned():
+                return False
+            with self._lock:
+                if len(self._pinned) > 4096:  # allocations made and dropped by the thousand
+                    self._pinned = {k: r for k, r in self._pinned.items() if r() is not None}
+                self._pinned[key] = weakref.ref(owner)
+        return True
 
     def lane(self, stream: Any) -> Any:
         key = (stream.device, stream.cuda_stream)
@@ -160,15 +185,3 @@ class CudaDriver:
 
 CUDA_DRIVER = CudaDriver()
 
-
-def _all_pinned(copies: Sequence[ChunkCopy]) -> bool:
-    """Every host buffer pinned (the batch call's copies run from pinned memory; torch copies
-    pageable memory correctly, synchronously). Once per allocation: a move's slots share a few."""
-    seen: set[int] = set()
-    for c in copies:
-        storage = c.host.untyped_storage().data_ptr()
-        if storage not in seen:
-            if c.host.is_cuda or not c.host.is_pinned():
-                return False
-            seen.add(storage)
-    return True

@@ -112,7 +112,7 @@ class InflightTransfers:
         ready = None
         try:
             if head:  # enqueued by this thread, before the hand-off: the issuer's windows come after
-                side.wait_stream(caller)
+                self.kit.after(side, caller)
             else:
                 ready = self.kit.event()
                 ready.record(caller)
@@ -142,7 +142,7 @@ class InflightTransfers:
             transfer = _Transfer(next(self._tokens), on_done, on_done)
             self.inflight.append(transfer)
         try:
-            side.wait_stream(caller)
+            self.kit.after(side, caller)
             with self.kit.use(side):
                 copy()
                 transfer.event = side.record_event()

@@ -6,6 +6,8 @@ operation's in a few numpy calls.
                                      view's rows are not plain bytes (no address arithmetic)
     copy_list(plan, copies, to_host) -> CopyList   one copy per maximal run of blocks that follow
                                      each other in the pool and in the host buffers
+    head_list(plan, copies, to_host, max_bytes, max_copies) -> (CopyList, bytes, rest)   a move's
+                                     first copies in plain Python, and the chunk parts left (one view)
     block_addresses(plan, copies) -> (pool, host)  every listed block's addresses (one view)
 
 Why a plan: block ``b`` of view ``v`` lives at ``base[v] + b * stride[v]`` for as long as the pool
@@ -22,6 +24,7 @@ address space (pinned arena segments often do): the driver refuses such a copy
 
 from __future__ import annotations
 
+import array
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,13 +84,44 @@ def plan_of(views: Sequence[torch.Tensor]) -> PoolPlan | None:
 class CopyList:
     """Copies as one int64 table (rows: destination, source, size), so that a window of it is
     three pointers into one array for the driver, and ``ends``: each copy's end in bytes from
-    the start of the move (for windows)."""
+    the start of the move (for windows). ``hosts``: one host tensor per host allocation the
+    copies touch (gathered in the pass that reads their addresses: a driver that needs pinned
+    memory checks these, not every chunk again).
 
-    def __init__(self, table: np.ndarray) -> None:
-        self.table = table
+    ``of_rows`` makes one from Python lists without numpy (``array.array``): the table and
+    ``ends`` are then made only if asked for. A numpy call costs 5-15x its hot-loop time when
+    an operation starts on a GPU host whose caches the last operation's DMA swept (issue 19)."""
+
+    def __init__(self, table: np.ndarray, hosts: Sequence[torch.Tensor] = ()) -> None:
+        self._table: np.ndarray | None = table
+        self._raw: array.array[int] | None = None
+        self._ends: np.ndarray | None = None
         self.count = table.shape[1]
-        self.ends = np.cumsum(table[2])
         self.address = table.ctypes.data if self.count else 0
+        self.hosts = hosts
+
+    @classmethod
+    def of_rows(cls, dst: list[int], src: list[int], sizes: list[int], hosts: Sequence[torch.Tensor] = ()) -> CopyList:
+        raw = array.array("q", dst)
+        raw.extend(src)
+        raw.extend(sizes)
+        listing = cls.__new__(cls)
+        listing._table, listing._raw, listing._ends = None, raw, None
+        listing.count, listing.hosts = len(sizes), hosts
+        listing.address = raw.buffer_info()[0] if sizes else 0
+        return listing
+
+    @property
+    def table(self) -> np.ndarray:
+        if self._table is None:
+            self._table = np.frombuffer(self._raw, dtype=np.int64).reshape(3, self.count)
+        return self._table
+
+    @property
+    def ends(self) -> np.ndarray:
+        if self._ends is None:
+            self._ends = np.cumsum(self.table[2])
+        return self._ends
 
     @property
     def dst(self) -> np.ndarray:
@@ -112,8 +146,9 @@ def copy_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool) -> 
     """One copy per maximal run of listed block segments that follow each other both in the pool
     and in the host buffers (one contiguous span on each side, in one allocation each), over all
     views in order; rows ordered for the direction (``to_host``: host <- pool)."""
-    table = _one_view(plan, copies, to_host) if plan.views == 1 else _many_views(plan, copies, to_host)
-    return CopyList(table if table is not None else np.zeros((3, 0), dtype=np.int64))
+    hosts: dict[int, torch.Tensor] = {}
+    table = _one_view(plan, copies, to_host, hosts) if plan.views == 1 else _many_views(plan, copies, to_host, hosts)
+    return CopyList(table if table is not None else np.zeros((3, 0), dtype=np.int64), list(hosts.values()))
 
 
 def _table(count: int, to_host: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -127,7 +162,8 @@ def _ids(ids: list[int]) -> np.ndarray:
     return np.frombuffer(struct.pack(f"{len(ids)}q", *ids), dtype=np.int64)
 
 
-def _one_view(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool) -> np.ndarray | None:
+def _one_view(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool,
+              hosts: dict[int, torch.Tensor]) -> np.ndarray | None:
     """The usual case (TensorRT-LLM's cross-layer pool): block ``k`` of the move sits at
     ``base[chunk] + k * seg`` in its slot, so whether a chunk's part continues the one before
     it in the host (the same base, in the same allocation) is decided per chunk, in the one
@@ -143,8 +179,10 @@ def _one_view(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool) -> np.
             continue
         host = c.host
         here = (host.data_ptr() + (c.first - len(ids)) * seg, host.untyped_storage().data_ptr())
-        if here != last and ids:
-            forced.append(len(ids))  # a run starts here whatever the pool does
+        if here != last:
+            if ids:
+                forced.append(len(ids))  # a run starts here whatever the pool does
+            hosts.setdefault(here[1], host)
         last = here
         bases.append(here[0])
         counts.append(count)
@@ -174,7 +212,8 @@ def _one_view(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool) -> np.
     return table
 
 
-def _many_views(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool) -> np.ndarray | None:
+def _many_views(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool,
+                hosts: dict[int, torch.Tensor]) -> np.ndarray | None:
     """Per-layer views (vLLM's caches): the same arithmetic on [views, blocks] arrays, and a run
     may continue into the next view where both sides happen to be back to back."""
     ids: list[int] = []
@@ -182,8 +221,9 @@ def _many_views(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool) -> n
     for c in copies:
         if len(c.block_ids):
             host = c.host
-            rows.append((len(c.block_ids), host.data_ptr(), host.untyped_storage().data_ptr(),
-                         host.numel() // plan.per_block, c.first - len(ids)))
+            alloc = host.untyped_storage().data_ptr()
+            hosts.setdefault(alloc, host)
+            rows.append((len(c.block_ids), host.data_ptr(), alloc, host.numel() // plan.per_block, c.first - len(ids)))
             ids += c.block_ids
     if not ids:
         return None
@@ -206,6 +246,52 @@ def _many_views(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool) -> n
     np.take(host.ravel(), run, out=host_at)
     sizes[:] = np.add.reduceat(np.repeat(plan.seg, total), run)
     return table
+
+
+def head_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool, max_bytes: int,
+              max_copies: int) -> tuple[CopyList, int, list[ChunkCopy]]:
+    """The first copies of a one-view move, about ``max_bytes`` in at most ``max_copies`` copies,
+    built in plain Python; their bytes; and the chunk parts left.
+
+    Why: ``copy_list`` costs ~15 numpy calls whatever the size, and on the H200's host each
+    costs several microseconds when an operation starts (issue 19: 80-150 us for 256 blocks, most
+    of a 256 KiB-block move's ~220 us before its first copy). A few blocks' addresses in Python
+    cost ~1 us each there, so the copy engines start on them at once and copy while the rest of
+    the list is built. Runs merge as in ``copy_list``; a chunk may be split between the two parts
+    (its rest starts a new copy, one more than ``copy_list`` alone would make)."""
+    assert plan.views == 1
+    seg, stride, base = int(plan.seg[0]), int(plan.stride[0]), int(plan.base[0])
+    pool_at: list[int] = []
+    host_at: list[int] = []
+    sizes: list[int] = []
+    hosts: dict[int, torch.Tensor] = {}
+    taken, pool_end, host_end, last_alloc = 0, -1, -1, -1
+    rest: list[ChunkCopy] = []
+    for index, c in enumerate(copies):
+        host = c.host
+        alloc = host.untyped_storage().data_ptr()
+        at = host.data_ptr() + c.first * seg
+        for k, block in enumerate(c.block_ids):
+            here = base + block * stride
+            joins = here == pool_end and at == host_end and alloc == last_alloc
+            if taken >= max_bytes or (not joins and len(sizes) == max_copies):
+                rest = [ChunkCopy(c.block_ids[k:], host, c.first + k), *copies[index + 1 :]]
+                break
+            if joins:
+                sizes[-1] += seg
+            else:
+                hosts.setdefault(alloc, host)
+                pool_at.append(here)
+                host_at.append(at)
+                sizes.append(seg)
+            pool_end, host_end, last_alloc = here + seg, at + seg, alloc
+            at += seg
+            taken += seg
+        else:
+            continue
+        break
+    rows = (host_at, pool_at, sizes) if to_host else (pool_at, host_at, sizes)
+    return CopyList.of_rows(*rows, list(hosts.values())), taken, rest
 
 
 def block_addresses(plan: PoolPlan, copies: Sequence[ChunkCopy]) -> tuple[np.ndarray, np.ndarray]:
