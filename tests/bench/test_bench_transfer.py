@@ -1,4 +1,4 @@
-"""``kvdepot bench transfer`` and ``kvdepot bench bookkeeping`` on CPU: every row measured, the
+"""``kvdepot bench transfer``, ``bench bookkeeping`` and ``bench dma``: every row measured, the
 batch mover's variants each measured in one run, and the bookkeeping bench's stamps in order."""
 
 from __future__ import annotations
@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import math
 
-from kvdepot.bench import bookkeeping, transfer
+import pytest
+import torch
+
+from kvdepot.bench import bookkeeping, dma_ceiling, transfer
 
 
 def _args(module, *argv: str) -> argparse.Namespace:
@@ -24,9 +27,11 @@ def test_bench_transfer_measures_each_batch_variant_in_one_run(kvdepot_env_clear
     assert all(r["ratio"] > 0 and r["call us"] > 0 for r in rows)
 
 
-def test_bench_bookkeeping_times_each_shape_and_path():
+@pytest.mark.parametrize("sweep", ["0", "4"])
+def test_bench_bookkeeping_times_each_shape_and_path(sweep):
+    """``--sweep-mib``: the caches swept before each timed operation, as a GPU's DMA does."""
     rows = bookkeeping.run(_args(bookkeeping, "--models", "1b", "--tokens-per-block", "8", "--reps", "3",
-                                 "--blocks", "64", "--driver-us-per-copy", "0"))
+                                 "--blocks", "64", "--driver-us-per-copy", "0", "--sweep-mib", sweep))
     assert {(r["path"], r["op"]) for r in rows} == {
         ("bookkeeping", "store"), ("bookkeeping", "lookup"), ("bookkeeping", "lookup+lease"), ("bookkeeping", "retrieve"),
         ("batch", "store"), ("batch", "retrieve"), ("batch", "both: store"), ("batch", "both: retrieve")}
@@ -36,3 +41,22 @@ def test_bench_bookkeeping_times_each_shape_and_path():
             assert 0 < r["first copy us"] <= r["all issued us"]
         else:
             assert math.isnan(r["first copy us"])
+
+
+def test_bench_dma_says_what_it_needs_without_a_cuda_driver():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the gpu test below runs the bench")
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        dma_ceiling.run(_args(dma_ceiling, "--blocks", "8"))
+
+
+@pytest.mark.gpu
+def test_bench_dma_measures_every_row_against_memcpy():
+    from kvdepot.transfer import cuda_batch
+
+    if not cuda_batch.available():
+        pytest.skip("this driver has no cuMemcpyBatchAsync_v2")
+    rows = dma_ceiling.run(_args(dma_ceiling, "--block-kib", "256", "--blocks", "16", "--reps", "3"))
+    assert [r["op"] for r in rows] == ["store", "retrieve", "both", "store, engines only", "retrieve, engines only"]
+    assert all(0 < r["ratio"] < 2 for r in rows)
+    assert all(r["driver us"] > 0 for r in rows[3:])

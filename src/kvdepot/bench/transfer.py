@@ -164,10 +164,13 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
                                                      device, args.reps, warmup=0)
     add("2 stores at once", 2 * nbytes, two_s, two_d2h_s, two_ratio)
     # What one store costs a matmul running beside it (kernels occupy SMs; copy engines none).
-    share = None
+    share = ceiling_share = None
     if device.type == "cuda":
         with report.step(f"{label}: compute beside a store"):
-            share = compute_share(store, store_s, device)
+            share = compute_share(store, store_s, device, reps=5)
+            # The same matmuls beside a plain copy of the same bytes: what the copy engines'
+            # traffic costs compute by itself (power, memory), the ceiling of the row above.
+            ceiling_share = compute_share(copies.d2h, d2h_s, device, reps=5)
     calls.clear()
     held = fresh_keys()
     engine.store(held, ids()).wait()
@@ -216,6 +219,8 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
         # ratio here: matmul throughput beside a store over alone (1.0 = the store costs compute nothing)
         report.add({**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share,
                     "call us": float("nan")})
+        report.add({**common, "op": "compute beside memcpy", "GB/s": float("nan"), "memcpy GB/s": float("nan"),
+                    "ratio": ceiling_share, "call us": float("nan")})
     timeline = {}
     if getattr(args, "timeline", False) and device.type == "cuda":
         timeline = {"retrieve": gpu_timeline(retrieve), "store": gpu_timeline(store)}  # a store evicts
