@@ -10,9 +10,9 @@ issued interleaved from one thread on two streams, against both directions of me
 ``engines only``: the copies queued behind a GPU sleep, then timed by events on the GPU (no host
 time at all), with the host time the driver calls took.
 
-Measured on the H200 (issue 19, run Y): 0.99 of memcpy either way for 256 KiB, 1 MiB and 4 MiB
-blocks, 1.00 both at once, ~0.7 us of driver time per copy — while kvdepot's 256 KiB rows read
-0.7-0.9: the gap is host work before the first copy, not the copy engines.
+Measured on the H200 (issue 19, runs Y and AG): 0.99-1.00 of memcpy either way for 256 KiB, 1 MiB
+and 4 MiB blocks, 1.00-1.05 both at once, 0.7-1.6 us of driver time per copy — while kvdepot's
+256 KiB rows read 0.7-0.9: the gap is host work before the first copy, not the copy engines.
 """
 
 from __future__ import annotations
