@@ -155,10 +155,10 @@ class PoolLayout:
         """The error naming the first id that is not a row of the pool."""
         for b in block_ids:
             try:
-                struct.pack("q", b)
-            except struct.error:
-                raise LayoutError(f"block id {b!r} out of range [0, {self.num_blocks})") from None
-            if not 0 <= b < self.num_blocks:
+                ok = bool(struct.pack("q", b)) and 0 <= b < self.num_blocks
+            except struct.error:  # not an integer, or beyond 64 bits
+                ok = False
+            if not ok:
                 raise LayoutError(f"block id {b!r} out of range [0, {self.num_blocks})")
 
     def full_chunks(self, num_tokens: int, num_block_ids: int) -> int:

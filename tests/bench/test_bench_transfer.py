@@ -43,6 +43,15 @@ def test_bench_bookkeeping_times_each_shape_and_path(sweep):
             assert math.isnan(r["first copy us"])
 
 
+@pytest.mark.parametrize(("argv", "named"), [(["--block-kib", "256,x"], "--block-kib"), (["--block-kib", "0"], "--block-kib"),
+                                             (["--blocks", "0"], "--blocks"), (["--reps", "-3"], "--reps")])
+def test_bench_dma_refuses_bad_sizes_naming_the_option(argv, named, capsys):
+    with pytest.raises(SystemExit):
+        _args(dma_ceiling, *argv)
+    err = capsys.readouterr().err
+    assert f"argument {named}:" in err and ">= 1" in err  # the option and what it allows, in one line
+
+
 def test_bench_dma_says_what_it_needs_without_a_cuda_driver():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the gpu test below runs the bench")

@@ -391,14 +391,17 @@ def test_the_driver_remembers_a_pinned_allocation_only_while_its_owner_lives():
     """``CudaDriver.pinned`` asks the driver once per allocation and remembers the answer through
     the tensor that owns the memory (a slot's base): once that is gone, so is the answer, and an
     allocation reusing the address is asked again; pageable memory is never taken for pinned."""
+    def allocation(t):
+        return {t.untyped_storage().data_ptr(): t}
+
     driver = cuda_batch.CudaDriver()
     segment = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
     slot = segment[4096:8192]
     key = slot.untyped_storage().data_ptr()
-    assert driver.pinned([slot]) and driver._pinned[key]() is segment
-    assert driver.pinned([segment[0:4096]])  # remembered: the same owner
-    assert not driver.pinned([torch.empty(4096, dtype=torch.uint8)])
-    assert not driver.pinned([torch.empty(4096, dtype=torch.uint8, device="cuda")])
+    assert driver.pinned(allocation(slot)) and driver._pinned[key]() is segment
+    assert driver.pinned(allocation(segment[0:4096]))  # remembered: the same owner
+    assert not driver.pinned(allocation(torch.empty(4096, dtype=torch.uint8)))
+    assert not driver.pinned(allocation(torch.empty(4096, dtype=torch.uint8, device="cuda")))
     del slot, segment
     assert driver._pinned[key]() is None
 

@@ -30,7 +30,7 @@ import random
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +100,7 @@ class StubDriver:
     def stream(self, views: Sequence[Any]) -> Any:
         return 7  # as if on a CUDA stream
 
-    def pinned(self, hosts: Sequence[Any]) -> bool:
+    def pinned(self, hosts: Mapping[int, Any]) -> bool:
         return True  # as if the arena were pinned
 
     def lane(self, stream: Any) -> Any:

@@ -33,17 +33,30 @@ from kvdepot.transfer.batch import FIRST_WINDOW_BYTES, WINDOW_BYTES, window_boun
 from kvdepot.transfer.plan import CopyList
 
 
+def _positive(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
+    return int(value)
+
+
+def _kib_list(value: str) -> list[int]:
+    try:
+        return [_positive(part.strip()) for part in value.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected KiB sizes >= 1, comma-separated (e.g. 256,1024)") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--block-kib", default="256,1024,4096", help="block sizes in KiB, comma-separated")
-    parser.add_argument("--blocks", type=int, default=256, help="blocks per operation (issue 19: 256)")
-    parser.add_argument("--reps", type=int, default=21, help="timed pairs per row (the median ratio is shown)")
+    parser.add_argument("--block-kib", type=_kib_list, default="256,1024,4096", help="block sizes in KiB, comma-separated")
+    parser.add_argument("--blocks", type=_positive, default=256, help="blocks per operation (issue 19: 256)")
+    parser.add_argument("--reps", type=_positive, default=21, help="timed pairs per row (the median ratio is shown)")
     add_output_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
     if not torch.cuda.is_available() or not cuda_batch.available():
         raise SystemExit("bench dma: needs a CUDA device whose driver has cuMemcpyBatchAsync_v2 (CUDA 13 drivers)")
-    sizes = [int(k) << 10 for k in args.block_kib.split(",")]
+    sizes = [kib << 10 for kib in args.block_kib]
     report = Report(args, steps=len(sizes), device=torch.device("cuda"), name="bench dma",
                     bars=Bars(("block KiB", "op"), ("ratio",), "of memcpy"))
     report.table(f"kvdepot bench dma — {args.blocks} random blocks per operation, lists built before the clock, "

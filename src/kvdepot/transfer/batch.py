@@ -163,9 +163,9 @@ class BatchBlockMover(OneChunk):
                            "(%d refused so far)", exc, self.refused)
 
 
-def _hosts(copies: Sequence[ChunkCopy]) -> list[torch.Tensor]:
-    """One host tensor per allocation among ``copies``' buffers (for ``BatchDriver.pinned``)."""
-    return list({c.host.untyped_storage().data_ptr(): c.host for c in copies}.values())
+def _hosts(copies: Sequence[ChunkCopy]) -> dict[int, torch.Tensor]:
+    """``copies``' host allocations, each with a buffer in it (for ``BatchDriver.pinned``)."""
+    return {c.host.untyped_storage().data_ptr(): c.host for c in copies}
 
 
 class _BatchMove:
@@ -250,7 +250,7 @@ class _BatchMove:
             if limit is not None and done and done >= limit:
                 return False  # a head stops here, listing nothing more for the issuer
             if done < self._mover.early_bytes and self._plan.views == 1:  # type: ignore[union-attr]
-                room = self._mover.early_bytes - done if limit is None or not done else min(limit, self._mover.early_bytes) - done
+                room = (self._mover.early_bytes if limit is None or not done else min(limit, self._mover.early_bytes)) - done
                 self._list_early(min(EARLY_COPIES[0] << self._step, EARLY_COPIES[1]), done, room)
                 self._step += 1
             else:
@@ -271,8 +271,8 @@ class _BatchMove:
         if not listing.count or not self._pinned(listing):
             return
         # Growing on from the last early window's size (equal windows stay equal).
-        first = self._windows[-1][3] - (self._windows[-2][3] if len(self._windows) > 1 else 0) if done else 0
-        first = 2 * first if first and mover.first_window_bytes is not None else mover.first_window_bytes
+        last = done - (self._windows[-2][3] if len(self._windows) > 1 else 0)
+        first = 2 * last if done and mover.first_window_bytes is not None else mover.first_window_bytes
         for lo, hi in _bounds(listing.ends, mover.window_bytes, first):
             self._windows.append((listing, lo, hi, done + int(listing.ends[hi - 1])))
         wanted = min(mover.lanes, len(self._windows) - self._next)
@@ -281,11 +281,11 @@ class _BatchMove:
     def _pinned(self, listing: CopyList) -> bool:
         """Whether the driver may copy ``listing``'s host buffers (each allocation asked once per
         move); if not, torch copies the whole move (``rest``)."""
-        fresh = [h for h in listing.hosts if h.untyped_storage().data_ptr() not in self._checked]
+        fresh = {alloc: h for alloc, h in listing.hosts.items() if alloc not in self._checked}
         if fresh and not self._mover.driver.pinned(fresh):
             self._by_torch = True
             return False
-        self._checked.update(h.untyped_storage().data_ptr() for h in fresh)
+        self._checked.update(fresh)
         return True
 
     def _enqueue(self) -> None:

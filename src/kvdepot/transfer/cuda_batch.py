@@ -25,7 +25,7 @@ import ctypes
 import functools
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -106,8 +106,9 @@ class BatchDriver(Protocol):
         (then the mover copies with torch)."""
         ...
 
-    def pinned(self, hosts: Sequence[torch.Tensor]) -> bool:
-        """Whether the batch call may copy to and from these host buffers (one per allocation)."""
+    def pinned(self, hosts: Mapping[int, torch.Tensor]) -> bool:
+        """Whether the batch call may copy to and from these host allocations (address -> a
+        tensor in it)."""
         ...
 
     def lane(self, stream: Any) -> Any:
@@ -139,15 +140,14 @@ class CudaDriver:
         stream = current_stream(views[0].device)
         return None if stream.cuda_stream == 0 else stream
 
-    def pinned(self, hosts: Sequence[torch.Tensor]) -> bool:
+    def pinned(self, hosts: Mapping[int, torch.Tensor]) -> bool:
         # The batch call's copies run from pinned memory; torch copies pageable memory correctly,
         # synchronously. ``is_pinned`` asks the driver (~15 us on the H200's host as an operation
         # starts), so an allocation found pinned is remembered for as long as the tensor owning
         # it lives (an arena segment: a slot's base): while it does, its memory cannot be freed
         # and its address reused by pageable memory.
-        for h in hosts:
+        for key, h in hosts.items():
             owner = h._base if h._base is not None else h
-            key = h.untyped_storage().data_ptr()
             known = self._pinned.get(key)
             if known is not None and known() is owner:
                 continue

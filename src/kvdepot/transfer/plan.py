@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import array
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 import torch
@@ -81,18 +82,21 @@ def plan_of(views: Sequence[torch.Tensor]) -> PoolPlan | None:
     return views.plan if isinstance(views, PoolViews) else make_plan(views)
 
 
+_NO_HOSTS: Mapping[int, torch.Tensor] = MappingProxyType({})
+
+
 class CopyList:
     """Copies as one int64 table (rows: destination, source, size), so that a window of it is
     three pointers into one array for the driver, and ``ends``: each copy's end in bytes from
-    the start of the move (for windows). ``hosts``: one host tensor per host allocation the
-    copies touch (gathered in the pass that reads their addresses: a driver that needs pinned
-    memory checks these, not every chunk again).
+    the start of the move (for windows). ``hosts``: each host allocation the copies touch (its
+    address) with a tensor in it, gathered in the pass that reads their addresses: a driver that
+    needs pinned memory checks these, not every chunk again.
 
     ``of_rows`` makes one from Python lists without numpy (``array.array``): the table and
     ``ends`` are then made only if asked for. A numpy call costs 5-15x its hot-loop time when
     an operation starts on a GPU host whose caches the last operation's DMA swept (issue 19)."""
 
-    def __init__(self, table: np.ndarray, hosts: Sequence[torch.Tensor] = ()) -> None:
+    def __init__(self, table: np.ndarray, hosts: Mapping[int, torch.Tensor] = _NO_HOSTS) -> None:
         self._table: np.ndarray | None = table
         self._raw: array.array[int] | None = None
         self._ends: np.ndarray | None = None
@@ -101,7 +105,8 @@ class CopyList:
         self.hosts = hosts
 
     @classmethod
-    def of_rows(cls, dst: list[int], src: list[int], sizes: list[int], hosts: Sequence[torch.Tensor] = ()) -> CopyList:
+    def of_rows(cls, dst: list[int], src: list[int], sizes: list[int],
+                hosts: Mapping[int, torch.Tensor] = _NO_HOSTS) -> CopyList:
         raw = array.array("q", dst)
         raw.extend(src)
         raw.extend(sizes)
@@ -148,7 +153,7 @@ def copy_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool) -> 
     views in order; rows ordered for the direction (``to_host``: host <- pool)."""
     hosts: dict[int, torch.Tensor] = {}
     table = _one_view(plan, copies, to_host, hosts) if plan.views == 1 else _many_views(plan, copies, to_host, hosts)
-    return CopyList(table if table is not None else np.zeros((3, 0), dtype=np.int64), list(hosts.values()))
+    return CopyList(table if table is not None else np.zeros((3, 0), dtype=np.int64), hosts)
 
 
 def _table(count: int, to_host: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -266,7 +271,11 @@ def head_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool, max
     sizes: list[int] = []
     hosts: dict[int, torch.Tensor] = {}
     taken, pool_end, host_end, last_alloc = 0, -1, -1, -1
-    rest: list[ChunkCopy] = []
+
+    def listed(rest: list[ChunkCopy]) -> tuple[CopyList, int, list[ChunkCopy]]:
+        rows = (host_at, pool_at, sizes) if to_host else (pool_at, host_at, sizes)
+        return CopyList.of_rows(*rows, hosts), taken, rest
+
     for index, c in enumerate(copies):
         host = c.host
         alloc = host.untyped_storage().data_ptr()
@@ -275,8 +284,7 @@ def head_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool, max
             here = base + block * stride
             joins = here == pool_end and at == host_end and alloc == last_alloc
             if taken >= max_bytes or (not joins and len(sizes) == max_copies):
-                rest = [ChunkCopy(c.block_ids[k:], host, c.first + k), *copies[index + 1 :]]
-                break
+                return listed([ChunkCopy(c.block_ids[k:], host, c.first + k), *copies[index + 1 :]])
             if joins:
                 sizes[-1] += seg
             else:
@@ -287,11 +295,7 @@ def head_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool, max
             pool_end, host_end, last_alloc = here + seg, at + seg, alloc
             at += seg
             taken += seg
-        else:
-            continue
-        break
-    rows = (host_at, pool_at, sizes) if to_host else (pool_at, host_at, sizes)
-    return CopyList.of_rows(*rows, list(hosts.values())), taken, rest
+    return listed([])
 
 
 def block_addresses(plan: PoolPlan, copies: Sequence[ChunkCopy]) -> tuple[np.ndarray, np.ndarray]:
