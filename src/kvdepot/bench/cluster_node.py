@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvdepot.bench.subprocs import wait_or_kill
 from kvdepot.errors import KVDepotError
 
 TOKENS_PER_BLOCK = 32
@@ -113,11 +114,7 @@ class NodeProcess:
             with contextlib.suppress(OSError):  # the node reads quit, or has died already
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        wait_or_kill(self.proc, 30)
 
 
 def _lower_reads() -> int:

@@ -43,6 +43,7 @@ import numpy as np
 
 from kvdepot.bench.hooks_server import spin
 from kvdepot.bench.report import Report, add_output_arguments
+from kvdepot.bench.subprocs import wait_or_kill
 from kvdepot.server import protocol as p
 from kvdepot.server.client import DepotClient
 from kvdepot.server.layer_follow import FollowStats, RemoteProgress, Watch
@@ -119,11 +120,7 @@ def _server(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, np.n
         yield url, stamps
     finally:
         proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        wait_or_kill(proc, 20)
 
 
 def _register(client: DepotClient, layers: int, page: ProgressPage | None) -> bool:

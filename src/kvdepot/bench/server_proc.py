@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvdepot.bench.subprocs import wait_or_kill
 from kvdepot.server.client import DepotClient
 
 
@@ -44,11 +45,7 @@ def running_server(*args: str, timeout_s: float = 120.0) -> Iterator[str]:
         probe.close()
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        wait_or_kill(proc, 30)
         if log is not subprocess.DEVNULL:
             log.close()
         shutil.rmtree(workdir, ignore_errors=True)

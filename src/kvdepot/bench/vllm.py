@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdepot.bench.report import Bars, Report, add_output_arguments
+from kvdepot.bench.subprocs import wait_or_kill
 from kvdepot.errors import KVDepotError
 
 CHILD_ENV = {
@@ -129,11 +130,7 @@ class Child:
 
     def result(self, timeout_s: float = 300) -> dict[str, Any]:
         """Wait for the child; its results plus the tail of its log. Raises if it failed."""
-        try:
-            rc = self._proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            rc = self._proc.wait()
+        rc = wait_or_kill(self._proc, timeout_s)
         try:
             self._log.seek(0)
             log = self._log.read()[-20000:]
