@@ -46,7 +46,7 @@ from kvdepot.storage.manager import TierManager
 from kvdepot.storage.pinner import ArenaPinner
 from kvdepot.storage.promotions import Promotions
 from kvdepot.transfer import MOVERS, BatchBlockMover, cuda_batch
-from kvdepot.transfer.base import BlockMover, ChunkCopy
+from kvdepot.transfer.base import BlockMover, ChunkCopy, split_lead
 from kvdepot.transfer.inflight import InflightTransfers
 from kvdepot.transfer.plan import PoolViews
 from kvdepot.transfer.streams import CUDA, StreamKit
@@ -263,18 +263,15 @@ class CacheEngine(PoolsOwner):
     def store(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, stream: Any = None) -> StoreHandle:
         """Copy every chunk of ``keys`` not cached yet out of ``pool[block_ids]``."""
         started = time.perf_counter()
-        self._check_blocks(len(keys), block_ids)
+        check = self._check_blocks(len(keys), block_ids, lead=True)
+        self._check_lead(block_ids, 0, check)  # the lead where no chunk is cached yet: before anything is evicted
         bpc = self.layout.blocks_per_chunk
         with self._lock:
             self._poll_locked()
             slots = self.host.reserve_many(keys)
             placed = [c for c, slot in enumerate(slots) if slot is not None]
             self._stats.dropped_stores = self.host.stats().dropped
-        if not placed:
-            return StoreHandle(self._transfers, 0, None)
         stored = [keys[c] for c in placed]
-        move = self.mover.prepare_gather(self._views, [ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slots[c])
-                                                       for c in placed])
 
         def commit() -> None:
             for key in stored:
@@ -286,7 +283,23 @@ class CacheEngine(PoolsOwner):
             for key in stored:
                 self.host.commit(key, False)
 
-        token = self._transfers.store(move, commit, rollback, stream)
+        copies = [ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slots[c]) for c in placed]
+        lead, rest = split_lead(copies, self._lead_blocks) if check is not None else ([], copies)
+        try:
+            if placed and placed[0]:  # cached chunks first: the lead starts later
+                self._check_lead(block_ids, placed[0] * bpc, check)
+            if not placed:
+                if check is not None:
+                    check()
+                return StoreHandle(self._transfers, 0, None)
+        except BaseException:
+            with self._lock:
+                rollback()
+            raise
+        token = self._transfers.store(self.mover.prepare_gather(self._views, rest), commit, rollback, stream,
+                                      lead=self.mover.prepare_gather(self._views, lead) if lead else None,
+                                      lead_bytes=sum(len(c.block_ids) for c in lead) * self.layout.bytes_per_block,
+                                      check=check)
         with self._lock:
             self._stats.stored_chunks += len(placed)
             self._stats.bytes_stored += len(placed) * bpc * self.layout.bytes_per_block

@@ -27,12 +27,16 @@ from kvdepot.layout import PoolLayout
 from kvdepot.results import EngineStats, FinishedLoad, LayeredLoad
 from kvdepot.storage.host import HostTier
 from kvdepot.storage.promotions import Promotions
-from kvdepot.transfer.base import BlockMover, ChunkCopy
+from kvdepot.transfer.base import BlockMover, ChunkCopy, split_lead
 from kvdepot.transfer.inflight import InflightTransfers
 from kvdepot.transfer.plan import PoolViews
 
 # Loads by layer need each layer's part of a block to be one efficient copy (``can_load_by_layer``).
 LAYER_PART_MIN_BYTES = 64 << 10
+# A store's or a whole load's first bytes, enqueued before its block list is checked in full
+# (``LoadPath._check_lead``): ~150 us of PCIe at 55 GB/s, longer than the check and the next
+# window take cold (H200, run AH: 37 us and ~25 us at 256 blocks; a 4 MiB lead left the engines idle ~30 us).
+LEAD_BYTES = 8 << 20
 
 Lease = Hashable  # in-process any hashable names a lease (``engine_api.Lease``, or a server's own)
 
@@ -52,7 +56,10 @@ class LoadPath:
 
     release: Callable[[Lease], None]
 
-    def _check_blocks(self, num_chunks: int, block_ids: Sequence[int]) -> None:
+    def _check_blocks(self, num_chunks: int, block_ids: Sequence[int], *, lead: bool = False) -> Callable[[], None] | None:
+        """Check that ``block_ids`` can hold ``num_chunks`` chunks, and their ids. With ``lead``,
+        a list longer than a lead (``LEAD_BYTES``) is only measured here: the check of its ids is
+        returned, to run once the lead's copies are enqueued (``_check_lead``); else None."""
         if not self._views:
             raise LayoutError("no KV pool registered: call register_pool first")
         needed = num_chunks * self.layout.blocks_per_chunk
@@ -61,7 +68,36 @@ class LoadPath:
                 f"{len(block_ids)} block ids cannot hold {num_chunks} chunks of {self.layout.chunk_size} tokens "
                 f"({self.layout.tokens_per_block} per block: {needed} needed)"
             )
+        if lead and self._transfers.streams is not None and needed > self._lead_blocks:
+            return lambda: self.layout.check_block_ids(block_ids, distinct=True)
         self.layout.check_block_ids(block_ids, distinct=True)
+        return None
+
+    @property
+    def _lead_blocks(self) -> int:
+        return max(1, LEAD_BYTES // self.layout.bytes_per_block)
+
+    def _check_lead(self, block_ids: Sequence[int], start: int, check: Callable[[], None] | None) -> None:
+        """The ids of an operation's lead, ``block_ids[start:]``'s first ``_lead_blocks``, where
+        the check of the whole list was put off (``check``; None: it was done). None of them may
+        be one of the ``start`` ids before it: those are blocks a load must never write (the
+        request's KV the engine holds, maybe shared with other requests).
+
+        Why a lead: on a GPU host an operation starts with the CPU caches swept by the last one's
+        DMA, and the first pass over a few hundred fresh block ids costs tens of microseconds
+        there (issue 19) with the copy engines idle. The lead's blocks (``LEAD_BYTES``, ~150 us of
+        PCIe) are checked alone and enqueued first; the whole list is checked while they copy,
+        before anything else moves. So a bad id past the lead still raises ``LayoutError`` with
+        nothing copied to or from a block outside the pool, listed twice within the lead, or
+        before ``start``; but the lead's blocks may have been copied: a load has written its own
+        chunks' bytes into them (blocks the caller gave it to fill), a store's reservations are
+        undone (what they evicted stays evicted)."""
+        if check is None:
+            return
+        lead = block_ids[start : start + self._lead_blocks]
+        self.layout.check_block_ids(lead, distinct=True)
+        if start and not set(lead).isdisjoint(itertools.islice(block_ids, start)):
+            raise LayoutError("block ids of one request must be distinct")
 
     # ---- retrieve ---------------------------------------------------------------------------
     def retrieve(
@@ -116,17 +152,19 @@ class LoadPath:
     ) -> tuple[int, LayeredLoad | None]:
         started = time.perf_counter()
         B, bpc = self.layout.tokens_per_block, self.layout.blocks_per_chunk
-        self._check_blocks(len(keys), block_ids)
+        check = self._check_blocks(len(keys), block_ids, lead=not by_layer)
         # NOTE: skip_blocks is checked even without num_blocks: a negative one would index the
         # block list from its end and overwrite blocks the engine holds.
         if skip_blocks < 0 or (num_blocks is not None and num_blocks < 0):
             raise LayoutError(f"skip_blocks={skip_blocks} and num_blocks={num_blocks} must be >= 0")
+        self._check_lead(block_ids, skip_blocks, check)  # the load's first blocks (where the check waits)
         end_block = min(len(keys) * bpc, len(block_ids))
         if num_blocks is not None:
             end_block = min(end_block, skip_blocks + num_blocks)
         if end_block <= skip_blocks:
             if lease is not None:
                 self.release(lease)  # nothing to load: the lookup's pins must not outlive the call
+            _run(check)
             return skip_blocks * B, None
         self._promotions.settle(lease)  # a failed promotion is a shorter load, counted below
         pin = ("load", next(self._tokens))
@@ -149,14 +187,17 @@ class LoadPath:
                 self._stats.short_loads += 1
         if not copies:
             self.release(pin)
+            _run(check)
             return skip_blocks * B, None
         layered = None
         if by_layer:  # enqueued a few layers ahead of the forward as it waits (transfer/layered.py)
             layers = self.mover.scatter_layers(copies, self._views, self.layout.num_layers)
             layered = self._transfers.start_layered(layers, self.layout.num_layers, lambda: self.host.release(pin), stream)
         else:
-            self._transfers.load(lambda: self.mover.scatter_many(copies, self._views), lambda: self.host.release(pin),
-                                 stream)
+            lead, rest = split_lead(copies, self._lead_blocks) if check is not None else ([], copies)
+            self._transfers.load(lambda: self.mover.scatter_many(rest, self._views), lambda: self.host.release(pin),
+                                 stream, lead=(lambda: self.mover.scatter_many(lead, self._views)) if lead else None,
+                                 check=check)
         with self._lock:
             self._stats.loaded_chunks += len(copies)
             self._stats.layered_loads += layered is not None
@@ -164,6 +205,11 @@ class LoadPath:
             self._stats.load_seconds += time.perf_counter() - started
         return (skip_blocks + loaded_blocks) * B, layered
 
+
+
+def _run(check: Callable[[], None] | None) -> None:
+    if check is not None:
+        check()
 
 
 class PoolLoads(LoadPath):

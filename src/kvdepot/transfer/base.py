@@ -155,6 +155,22 @@ class OneChunk(WholeLoads):
             self.scatter_many([ChunkCopy(block_ids, src, first)], views)  # type: ignore[attr-defined]
 
 
+def split_lead(copies: Sequence[ChunkCopy], blocks: int) -> tuple[list[ChunkCopy], list[ChunkCopy]]:
+    """The first ``blocks`` blocks of a move as chunk parts of their own, and the parts left (a
+    chunk may be split between the two): a move's lead, enqueued before the rest is checked."""
+    lead: list[ChunkCopy] = []
+    for index, c in enumerate(copies):
+        if blocks <= 0:
+            return lead, list(copies[index:])
+        if len(c.block_ids) <= blocks:
+            lead.append(c)
+            blocks -= len(c.block_ids)
+            continue
+        lead.append(ChunkCopy(c.block_ids[:blocks], c.host, c.first))
+        return lead, [ChunkCopy(c.block_ids[blocks:], c.host, c.first + blocks), *copies[index + 1 :]]
+    return lead, []
+
+
 def view_regions(views: Sequence[torch.Tensor], buf: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Pair each pool view with its ``[n, seg_bytes]`` region of a view-major host buffer."""
     n = buf.numel() // sum(v.shape[1] for v in views)

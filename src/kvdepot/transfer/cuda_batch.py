@@ -173,13 +173,13 @@ class CudaDriver:
 
     def copy(self, copies: CopyList, lo: int, hi: int, stream: Any) -> None:
         bound = self._bound.__dict__.setdefault("devices", set())
-        if stream.device not in bound:
+        if stream.device_index not in bound:
             # NOTE: a driver call needs the device's context current on this thread, which only a
             # runtime call makes it (a thread's first): without one, a thread that has so far only
             # set its stream (a store's head, an issuer with nothing to wait for) is refused (run R:
             # CUresult 1 until each thread had the context bound).
             stream.query()
-            bound.add(stream.device)
+            bound.add(stream.device_index)
         memcpy_batch(copies, lo, hi, stream.cuda_stream)
 
 

@@ -30,6 +30,7 @@ nothing waits for copies nobody will enqueue.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
@@ -49,6 +50,34 @@ from kvdepot.transfer.streams import CUDA, StreamKit
 logger = logging.getLogger("kvdepot")
 
 
+class _Flag:
+    """A one-shot "done" flag (``set`` / ``is_set`` / ``wait``): a lock held from birth that ``set``
+    releases. A ``threading.Event`` is a Python Condition over a lock: ~2 us to make in a hot
+    loop and several times that as a GPU host's operation starts (issue 19), once per store."""
+
+    __slots__ = ("_held",)
+
+    def __init__(self, done: bool = False) -> None:
+        self._held = threading.Lock()
+        if not done:
+            self._held.acquire()
+
+    def set(self) -> None:
+        with contextlib.suppress(RuntimeError):  # set already
+            self._held.release()
+
+    def is_set(self) -> bool:
+        return not self._held.locked()
+
+    def wait(self) -> None:
+        if self._held.locked():  # a set flag is never taken: ``is_set`` stays true for others
+            self._held.acquire()
+            self.set()
+
+
+_ISSUED = _Flag(done=True)  # the ``issued`` of every transfer tracked only once enqueued (loads)
+
+
 @dataclass
 class _Transfer:
     """One enqueued copy: finished once issued and its event has passed (or its issue failed)."""
@@ -57,7 +86,7 @@ class _Transfer:
     on_done: Callable[[], None]
     on_fail: Callable[[], None]  # runs instead of on_done when the copies could not be enqueued
     event: Any = None  # recorded after the copies; None until then, and after a failed issue
-    issued: threading.Event = field(default_factory=threading.Event)
+    issued: _Flag = field(default_factory=lambda: _Flag())
     failed: bool = False
 
     def finished(self) -> bool:
@@ -84,7 +113,7 @@ class InflightTransfers:
         self.streams: tuple[Any, ...] | None = None  # None: CPU pool, copies run inline
         self.inflight: deque[_Transfer] = deque()
         self._tokens = itertools.count(1)
-        self._issues: queue.SimpleQueue[tuple[_Transfer, Move, Any, Any] | None] = queue.SimpleQueue()
+        self._issues: queue.SimpleQueue[tuple[_Transfer, tuple[Move, ...], Any, Any] | None] = queue.SimpleQueue()
         self._issuer: threading.Thread | None = None
         self._queued = 0  # stores handed to the issuer and not yet issued (0: the issuer is idle)
         self._layered: set[LayeredLoad] = set()  # layered loads not fully enqueued yet
@@ -96,12 +125,19 @@ class InflightTransfers:
         # rotation, so an engine's forward stream can alias a side stream).
         self.streams = self.kit.streams(device, 3)
 
-    def store(self, move: Move, on_done: Callable[[], None], on_fail: Callable[[], None], stream: Any) -> int | None:
+    def store(self, move: Move, on_done: Callable[[], None], on_fail: Callable[[], None], stream: Any, *,
+              lead: Move | None = None, lead_bytes: int = 0, check: Callable[[], None] | None = None) -> int | None:
         """Run ``move`` now (CPU: ``on_fail`` and the error if it raises), or hand it to the issuer
         thread (CUDA: the error is logged, ``on_fail`` runs once the copies that did go have run).
-        Nothing is enqueued on ``stream`` itself: the store's stream waits for it."""
+        Nothing is enqueued on ``stream`` itself: the store's stream waits for it.
+
+        ``lead``: the store's first copies, enqueued by the caller (if the issuer is idle) before
+        ``check`` runs, so that the copy engines work while the rest of the operation is
+        validated (issue 19; its ``lead_bytes`` count towards the caller's head); ``check`` raising fails the store (``on_fail`` once the lead's
+        copies have run) and reaches the caller, and nothing of ``move`` is enqueued. On CPU,
+        and with a busy issuer, ``check`` runs before anything is copied."""
         if self.streams is None:
-            return self._inline(move.rest, on_done, on_fail)
+            return self._inline(_steps(check, lead and lead.rest, move.rest), on_done, on_fail)
         caller = stream if stream is not None else self.kit.current(self.streams[0].device)
         side = self.side_stream(True, caller)
         with self._lock:
@@ -109,51 +145,86 @@ class InflightTransfers:
             self.inflight.append(transfer)
             head = self.head_bytes > 0 and self._queued == 0  # idle: nothing of ours on ``side``
             self._queued += 1
-        ready = None
+        ready, started = None, False
         try:
             if head:  # enqueued by this thread, before the hand-off: the issuer's windows come after
                 self.kit.after(side, caller)
+                if lead is not None:
+                    started = True
+                    with self.kit.use(side):
+                        lead.rest()
             else:
                 ready = self.kit.event()
                 ready.record(caller)
-        except BaseException:  # nothing handed over: take the store back
-            transfer.issued.set()
-            with self._lock:
-                self._queued -= 1
-                self.inflight.remove(transfer)
-                transfer.on_fail()
+            if check is not None:
+                check()
+        except BaseException:
+            if started:  # the lead's copies may still land in the slots: they are freed after them
+                transfer.failed = True
+                transfer.event = self._after_enqueued(side)
+                transfer.issued.set()
+                with self._lock:
+                    self._queued -= 1
+            else:  # nothing enqueued: take the store back
+                transfer.issued.set()
+                with self._lock:
+                    self._queued -= 1
+                    self.inflight.remove(transfer)
+                    transfer.on_fail()
             raise
-        if head:
+        if head and self.head_bytes > lead_bytes:
             with self.kit.use(side):
-                move.head(self.head_bytes)  # never raises: ``rest`` does, on the issuer
+                move.head(self.head_bytes - lead_bytes)  # never raises: ``rest`` does, on the issuer
+        moves = (move,) if started or lead is None else (lead, move)
         self._start_issuer()
-        self._issues.put((transfer, move, side, ready))  # wakes the issuer (after the head: no GIL ping-pong)
+        self._issues.put((transfer, moves, side, ready))  # wakes the issuer (after the head: no GIL ping-pong)
         return transfer.token
 
-    def load(self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any) -> int | None:
+    def load(self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any, *,
+             lead: Callable[[], None] | None = None, check: Callable[[], None] | None = None) -> int | None:
         """Run ``copy`` now (CPU), or enqueue it on a side stream ordered after ``stream`` and make
         ``stream`` wait for it (CUDA). If ``copy`` raises, ``on_done`` runs at once (no pin leaks)
-        and the error reaches the caller."""
+        and the error reaches the caller.
+
+        ``lead``: the load's first copies, enqueued before ``check`` runs (CUDA; on CPU ``check``
+        runs first), so that the copy engines work while the rest is validated (issue 19). If
+        ``check`` or ``copy`` raises after the lead, ``stream`` still waits for what was enqueued
+        (those blocks were being written) and ``on_done`` runs once it has run."""
         if self.streams is None:
-            return self._inline(copy, on_done, on_done)
+            return self._inline(_steps(check, lead, copy), on_done, on_done)
         caller = stream if stream is not None else self.kit.current(self.streams[0].device)
         side = self.side_stream(False, caller)
-        with self._lock:
-            transfer = _Transfer(next(self._tokens), on_done, on_done)
-            self.inflight.append(transfer)
+        started = False
         try:
             self.kit.after(side, caller)
             with self.kit.use(side):
+                if lead is not None:
+                    started = True
+                    lead()
+                if check is not None:
+                    check()
                 copy()
-                transfer.event = side.record_event()
+                event = side.record_event()
         except BaseException:
-            transfer.issued.set()
-            with self._lock:
-                self.inflight.remove(transfer)
-                transfer.on_fail()
+            if not started:  # nothing enqueued
+                with self._lock:
+                    on_done()
+                raise
+            event = self._after_enqueued(side)  # the lead wrote the caller's blocks: it waits for them
+            if event is not None:
+                caller.wait_event(event)
+            self._enqueued(on_done, event)
             raise
-        transfer.issued.set()
-        caller.wait_event(transfer.event)  # the forward pass reads what the load wrote
+        caller.wait_event(event)  # the forward pass reads what the load wrote
+        return self._enqueued(on_done, event)
+
+    def _enqueued(self, on_done: Callable[[], None], event: Any) -> int:
+        """Track a load whose copies are all enqueued (before ``event``). It joins the FIFO only
+        now, already issued: nobody can wait on it half-enqueued, and the first copies go
+        without taking the owner's lock first."""
+        transfer = _Transfer(next(self._tokens), on_done, on_done, event, _ISSUED)
+        with self._lock:
+            self.inflight.append(transfer)
         return transfer.token
 
     def _inline(self, copy: Callable[[], None], on_done: Callable[[], None], on_fail: Callable[[], None]) -> None:
@@ -266,12 +337,13 @@ class InflightTransfers:
 
     def _issue_stores(self) -> None:
         while (item := self._issues.get()) is not None:
-            transfer, move, side, ready = item
+            transfer, moves, side, ready = item
             try:
                 with self.kit.use(side):
                     if ready is not None:
                         side.wait_event(ready)
-                    move.rest()
+                    for move in moves:
+                        move.rest()
                     transfer.event = side.record_event()
             except BaseException:  # never commit slots whose copies were not all enqueued
                 logger.exception("kvdepot: a store's copies could not be enqueued; its chunks are dropped")
@@ -292,3 +364,14 @@ class InflightTransfers:
                 return side.record_event()
         except BaseException:  # NOTE: a broken device; the slots are freed at once
             return None
+
+
+def _steps(*steps: Callable[[], None] | None) -> Callable[[], None]:
+    """One call of ``steps`` in order (None: skipped): a CPU pool's operation, done in the call."""
+
+    def run() -> None:
+        for step in steps:
+            if step is not None:
+                step()
+
+    return run

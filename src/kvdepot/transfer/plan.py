@@ -48,6 +48,7 @@ class PoolPlan:
     prefix: np.ndarray  # [V] int64
     alloc: np.ndarray  # [V] int64: each view's allocation (its storage's address)
     per_block: int  # bytes of a block over all views
+    first: tuple[int, int, int] = (0, 0, 0)  # view 0's base, stride and seg as Python ints (``head_list``)
 
     @property
     def views(self) -> int:
@@ -75,6 +76,7 @@ def make_plan(views: Sequence[torch.Tensor]) -> PoolPlan | None:
         prefix=np.cumsum(seg) - seg,
         alloc=np.array([v.untyped_storage().data_ptr() for v in views], dtype=np.int64),
         per_block=int(seg.sum()),
+        first=(views[0].data_ptr(), views[0].stride(0), views[0].shape[1]),
     )
 
 
@@ -265,7 +267,7 @@ def head_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool, max
     the list is built. Runs merge as in ``copy_list``; a chunk may be split between the two parts
     (its rest starts a new copy, one more than ``copy_list`` alone would make)."""
     assert plan.views == 1
-    seg, stride, base = int(plan.seg[0]), int(plan.stride[0]), int(plan.base[0])
+    base, stride, seg = plan.first  # not numpy scalars: each costs microseconds cold
     pool_at: list[int] = []
     host_at: list[int] = []
     sizes: list[int] = []

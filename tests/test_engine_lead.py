@@ -1,0 +1,311 @@
+"""A store's or whole load's *lead* (``engine_loads.LEAD_BYTES``): with side streams the first
+blocks are checked alone and enqueued before the whole block list is checked.
+
+The promise kept in spite of the deferral: a bad id anywhere raises ``LayoutError``; nothing is
+copied to or from a block past the lead; a load's lead blocks hold exactly their chunk's bytes;
+a failed store caches none of its chunks; nothing (pins, slots, transfers) leaks. A plain CPU
+engine checks everything first. ``ImmediateStreams`` runs the GPU paths (the store's caller-side
+head, the load's side stream) on CPU, and ``LEAD_BYTES`` is shrunk to a few 64-byte blocks so a
+16-block pool has operations longer than their lead.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvdepot import engine_loads
+from kvdepot.config import DepotConfig
+from kvdepot.engine import CacheEngine
+from kvdepot.errors import LayoutError
+from kvdepot.layout import PoolLayout
+from kvdepot.transfer import StagedBlockMover, TorchBlockMover
+from kvdepot.transfer.base import ChunkCopy, split_lead
+from kvdepot.transfer.streams import ImmediateStreams
+
+TPB, BPC, BLOCKS = 2, 3, 16  # chunks of 3 blocks: a 2- or 4-block lead splits a chunk
+N = 3 * BPC  # the block list of a 3-chunk (18-token) request
+
+
+def _recording(base: type) -> object:
+    """A real mover that also records the block ids of every gather/scatter it is asked for: the
+    only way to see that a store's lead went (and nothing after it), as a store never writes the pool."""
+
+    class Recording(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.moved: list[tuple[str, list[int]]] = []
+
+        def gather_many(self, views, copies):
+            self.moved.append(("gather", [b for c in copies for b in c.block_ids]))
+            super().gather_many(views, copies)
+
+        def scatter_many(self, copies, views):
+            self.moved.append(("scatter", [b for c in copies for b in c.block_ids]))
+            super().scatter_many(copies, views)
+
+    return Recording()
+
+
+@pytest.fixture
+def make(monkeypatch):
+    """``make(lead=, immediate=, capacity=, mover=, head_mib=)`` -> (engine, pool rows as uint8), closed
+    after. ``head_mib`` 0: the store issuer, not the caller, enqueues a store's copies (as when busy)."""
+    engines: list[CacheEngine] = []
+
+    def build(*, lead: int = 2, immediate: bool = True, capacity: int = 16, mover: type = StagedBlockMover,
+              head_mib: float = 16.0, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        pool = torch.randint(0, 256, (BLOCKS, 2, 2, 4 * TPB), dtype=torch.uint8, generator=gen).view(torch.float16)
+        layout = PoolLayout.from_pool(pool, TPB, TPB * BPC)
+        monkeypatch.setattr(engine_loads, "LEAD_BYTES", lead * layout.bytes_per_block)
+        config = DepotConfig(chunk_size=TPB * BPC, host_capacity_gb=(capacity * layout.chunk_bytes + 0.5) / 1e9,
+                             store_head_mib=head_mib)
+        streams = {"streams": ImmediateStreams()} if immediate else {}
+        engine = CacheEngine(layout, config, mover=_recording(mover), **streams)  # type: ignore[arg-type]
+        engine.register_pool(pool)
+        assert engine._lead_blocks == lead
+        engines.append(engine)
+        return engine, pool.view(torch.uint8).reshape(BLOCKS, -1)
+
+    yield build
+    for engine in engines:
+        engine.close()
+
+
+def _keys(engine: CacheEngine, base: int = 0) -> list:
+    return engine.chunk_keys(list(range(base, base + N * TPB)))
+
+
+def _ids(seed: int) -> list[int]:
+    return torch.randperm(BLOCKS, generator=torch.Generator().manual_seed(seed))[:N].tolist()
+
+
+def _poison(rows: torch.Tensor, seed: int) -> torch.Tensor:
+    rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    return rows.clone()
+
+
+def _idle(engine: CacheEngine) -> None:
+    """Polled to the end, nothing of a failed operation may stay pinned, leased or in flight."""
+    engine.wait_all()
+    s = engine.stats()
+    assert (s.live_leases, s.pinned_chunks, s.inflight_transfers) == (0, 0, 0), s
+
+
+def _snapshot(engine: CacheEngine, rows: torch.Tensor, keys: list) -> tuple:
+    """Everything a rejected call must leave as it was: pool bytes, each key's state, slots in use."""
+    host = engine.host
+    return rows.clone(), [(host.present(k), host.contains(k)) for k in keys], host.stats().used_bytes
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    return torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def _round_trip(engine: CacheEngine, rows: torch.Tensor, base: int) -> None:
+    """The engine still works: a fresh store, loaded into other blocks, bit-exact and nowhere else;
+    lead and rest together move each block once, in list order."""
+    keys, src, dst = _keys(engine, base), _ids(base), _ids(base + 1)
+    stored = rows[src].clone()
+    engine.mover.moved.clear()
+    assert engine.store(keys, src).chunks == 3
+    engine.wait_all()
+    poison = _poison(rows, base)
+    assert engine.retrieve(keys, dst) == N * TPB
+    expect = poison.clone()
+    expect[dst] = stored
+    assert torch.equal(rows, expect)
+    for kind, ids in (("gather", src), ("scatter", dst)):
+        assert [b for k, moved in engine.mover.moved if k == kind for b in moved] == ids
+    _idle(engine)
+
+
+def _bad(ids: list[int], pos: int, kind: str, lead_at: int) -> list[int]:
+    """``ids`` with position ``pos`` made bad: out of the pool, or a copy of a lead id / a later id."""
+    bad = list(ids)
+    later = next(p for p in range(N - 1, -1, -1) if p != pos)
+    bad[pos] = {"range": BLOCKS + 3, "negative": -1, "dup-lead": ids[lead_at], "dup-later": ids[later]}[kind]
+    return bad
+
+
+# ---- split_lead ------------------------------------------------------------------------------
+
+
+def _triples(copies) -> list[tuple[int, int, int]]:
+    return [(b, id(c.host), c.first + i) for c in copies for i, b in enumerate(c.block_ids)]
+
+
+def test_split_lead_splits_a_chunk_at_the_lead_and_keeps_its_offsets():
+    h0, h1 = torch.empty(0), torch.empty(0)
+    copies = [ChunkCopy([5, 6, 7], h0, 1), ChunkCopy([2, 3], h1, 0)]
+    lead, rest = split_lead(copies, 2)
+    assert [(c.block_ids, c.host is h0, c.first) for c in lead] == [([5, 6], True, 1)]
+    assert [(list(c.block_ids), c.first) for c in rest] == [([7], 3), ([2, 3], 0)] and rest[1] is copies[1]
+    assert split_lead(copies, 3) == ([copies[0]], [copies[1]])  # a chunk boundary: nothing split
+    assert split_lead(copies, 99) == (copies, []) and split_lead(copies, 0) == ([], copies)
+
+
+@settings(max_examples=150, deadline=None)
+@given(chunks=st.lists(st.tuples(st.lists(st.integers(0, 50), min_size=1, max_size=5), st.integers(0, 3)),
+                       max_size=6), n=st.integers(0, 25))
+def test_split_lead_covers_the_same_copies_in_order(chunks, n):
+    """Lead then rest is the move itself (block, buffer, position, in order); the lead is its first
+    min(n, total) blocks; neither part holds an empty chunk part."""
+    copies = [ChunkCopy(ids, torch.empty(0), first) for ids, first in chunks]
+    lead, rest = split_lead(copies, n)
+    assert _triples(lead) + _triples(rest) == _triples(copies)
+    assert sum(len(c.block_ids) for c in lead) == min(n, sum(len(ids) for ids, _ in chunks))
+    assert all(c.block_ids for c in lead + rest)
+
+
+# ---- a bad id past the lead ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mover", [StagedBlockMover, TorchBlockMover], ids=["staged", "runs"])
+@pytest.mark.parametrize(("lead", "skip", "pos", "kind"), [
+    (2, 0, 8, "range"), (2, 0, 2, "negative"), (4, 1, 7, "dup-lead"), (2, 3, 6, "dup-later"), (4, 0, 4, "range"),
+])
+def test_a_load_with_a_bad_id_past_the_lead_writes_only_its_lead(make, mover, lead, skip, pos, kind):
+    """The lead (the first ``lead`` blocks from ``skip``) was scattered before the full check: those
+    blocks hold their stored bytes exactly; every other block, listed or not, is untouched."""
+    engine, rows = make(lead=lead, mover=mover)
+    keys, src, dst = _keys(engine), _ids(1), _ids(2)
+    stored = rows[src].clone()
+    engine.store(keys, src).wait()
+    poison = _poison(rows, 3)
+    bad, lead_pos = _bad(dst, pos, kind, skip), range(skip, skip + lead)
+    engine.mover.moved.clear()
+    with pytest.raises(LayoutError):
+        engine.retrieve(keys, bad, skip_blocks=skip)
+    assert engine.mover.moved == [("scatter", [dst[p] for p in lead_pos])]  # the lead went, nothing after it
+    expect = poison.clone()
+    expect[[dst[p] for p in lead_pos]] = stored[list(lead_pos)]
+    assert torch.equal(rows, expect)
+    _idle(engine)
+    poison = _poison(rows, 4)
+    assert engine.retrieve(keys, dst) == N * TPB  # the chunks are still cached, intact
+    expect = poison.clone()
+    expect[dst] = stored
+    assert torch.equal(rows, expect)
+    _round_trip(engine, rows, 100)
+
+
+@pytest.mark.parametrize("head", [True, False], ids=["caller-head", "issuer-only"])
+@pytest.mark.parametrize(("cached_first", "pos", "kind"), [
+    (False, 8, "range"), (False, 5, "dup-lead"), (True, 0, "negative"), (True, 8, "dup-later"),
+])
+def test_a_store_with_a_bad_id_past_the_lead_caches_nothing_and_leaks_nothing(make, head, cached_first, pos, kind):
+    """At most the lead of the chunks placed (after the one cached, with ``cached_first``) was
+    gathered: by the caller when it may enqueue a store's head, else nothing (the issuer gets the
+    lead and the rest only once checked). The reservations are undone; a correct store then works."""
+    engine, rows = make(lead=2, head_mib=16.0 if head else 0.0)
+    keys, src = _keys(engine), _ids(1)
+    if cached_first:
+        engine.store(keys[:1], src[:BPC]).wait()
+    used = engine.host.stats().used_bytes
+    first = BPC if cached_first else 0  # where the store's copies (and so its lead) start
+    engine.mover.moved.clear()
+    with pytest.raises(LayoutError):
+        engine.store(keys, _bad(src, pos, kind, first))
+    # A bad id among the request's first lead blocks is refused before anything is reserved.
+    assert engine.mover.moved == ([("gather", src[first : first + 2])] if head and pos >= 2 else [])
+    _idle(engine)
+    assert engine.lookup(keys) == (BPC * TPB if cached_first else 0)
+    assert [engine.host.present(k) for k in keys] == [cached_first, False, False]
+    assert engine.host.stats().used_bytes == used  # the reserved slots are free again
+    stored = rows[src].clone()
+    assert engine.store(keys, src).chunks == 3 - cached_first
+    engine.wait_all()
+    poison = _poison(rows, 5)
+    assert engine.retrieve(keys, src) == N * TPB
+    expect = poison.clone()
+    expect[src] = stored
+    assert torch.equal(rows, expect)
+    _round_trip(engine, rows, 200)
+
+
+# ---- checked before anything moves ---------------------------------------------------------
+
+
+def _rejects_untouched(engine: CacheEngine, rows: torch.Tensor, call) -> None:
+    """``call`` raises LayoutError having moved nothing: mover never called, pool, keys, slots as they were."""
+    cached, fresh = _keys(engine), _keys(engine, 1000)
+    before = _snapshot(engine, rows, cached + fresh)
+    engine.mover.moved.clear()
+    with pytest.raises(LayoutError):
+        call(cached, fresh)
+    assert engine.mover.moved == []
+    assert _same(_snapshot(engine, rows, cached + fresh), before)
+    _idle(engine)
+
+
+IN_LEAD = {  # name: (lead, call(engine, cached keys, fresh keys)); the bad id is where the lead starts or in it
+    "store-first": (2, lambda e, c, f: e.store(f, _bad(_ids(2), 0, "range", 0))),
+    "store-in": (2, lambda e, c, f: e.store(f, _bad(_ids(2), 1, "negative", 0))),
+    "store-split": (4, lambda e, c, f: e.store(f, _bad(_ids(2), 3, "dup-lead", 0))),
+    "store-after-a-hit": (2, lambda e, c, f: e.store(c[:1] + f[1:], _bad(_ids(2), BPC + 1, "range", 0))),
+    "store-whole": (16, lambda e, c, f: e.store(f, _bad(_ids(2), 8, "range", 0))),
+    "load-in": (2, lambda e, c, f: e.retrieve(c, _bad(_ids(2), 1, "range", 0))),
+    "load-split": (4, lambda e, c, f: e.retrieve(c, _bad(_ids(2), 3, "dup-lead", 0))),
+    "load-after-skip": (2, lambda e, c, f: e.retrieve(c, _bad(_ids(2), 4, "range", 0), skip_blocks=3)),
+    # The lead repeats a skipped block (KV the engine holds): never written, whatever the lead.
+    "load-repeats-a-skipped-block": (2, lambda e, c, f: e.retrieve(c, _bad(_ids(2), 3, "dup-lead", 0), skip_blocks=3)),
+    "load-whole": (16, lambda e, c, f: e.retrieve(c, _bad(_ids(2), 8, "range", 0))),
+}
+
+
+@pytest.mark.parametrize("case", IN_LEAD)
+def test_a_bad_id_inside_the_lead_raises_before_anything_is_copied(make, case):
+    """The lead is the operation's first blocks in copy order: from ``skip_blocks``, or from the
+    first chunk not cached. ``whole``: a lead longer than the operation, checked in full first."""
+    lead, call = IN_LEAD[case]
+    engine, rows = make(lead=lead)
+    engine.store(_keys(engine), _ids(1)).wait()
+    _rejects_untouched(engine, rows, lambda cached, fresh: call(engine, cached, fresh))
+    _round_trip(engine, rows, 300)
+
+
+@pytest.mark.parametrize("case", ["nothing-cached", "skip-past-end", "no-blocks", "all-cached-store"])
+def test_the_deferred_check_runs_where_nothing_is_copied(make, case):
+    """Early returns (no hit; nothing asked for; a store of chunks all cached) still raise for a
+    bad id past the lead: the check put off for the lead is never skipped."""
+    engine, rows = make(lead=2)
+    engine.store(_keys(engine), _ids(1)).wait()
+    bad = _bad(_ids(2), 7, "range", 0)
+    call = {
+        "nothing-cached": lambda cached, fresh: engine.retrieve(fresh, bad),
+        "skip-past-end": lambda cached, fresh: engine.retrieve(cached, bad, skip_blocks=N),
+        "no-blocks": lambda cached, fresh: engine.retrieve(cached, bad, num_blocks=0),
+        "all-cached-store": lambda cached, fresh: engine.store(cached, bad),
+    }[case]
+    _rejects_untouched(engine, rows, call)
+
+
+@pytest.mark.parametrize("op", ["store", "retrieve"])
+def test_a_cpu_engine_checks_every_id_before_copying(make, op):
+    """No side streams, no lead: the same bad id past where a lead would end moves nothing at all,
+    and a full host tier loses nothing (the ids are checked before any slot is reserved)."""
+    engine, rows = make(lead=2, immediate=False, capacity=3)
+    assert engine._transfers.streams is None
+    engine.store(_keys(engine), _ids(1)).wait()
+    bad = _bad(_ids(2), 7, "range", 0)
+    if op == "store":
+        _rejects_untouched(engine, rows, lambda cached, fresh: engine.store(fresh, bad))
+    else:
+        _rejects_untouched(engine, rows, lambda cached, fresh: engine.retrieve(cached, bad))
+    _round_trip(engine, rows, 400)
+
+
+def test_a_store_with_a_bad_id_in_its_lead_evicts_nothing_from_a_full_cache(make):
+    """A bad id among a store's first blocks is refused before anything is reserved: as on a CPU
+    engine, a full host tier keeps its chunks."""
+    engine, rows = make(lead=2, capacity=3)
+    keys = _keys(engine)
+    engine.store(keys, _ids(1)).wait()
+    with pytest.raises(LayoutError):
+        engine.store(_keys(engine, 1000), _bad(_ids(2), 1, "range", 0))
+    _idle(engine)
+    assert engine.lookup(keys) == N * TPB
