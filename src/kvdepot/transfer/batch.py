@@ -9,7 +9,7 @@ engines only.
 
 Windows keep the copy engines fed while later windows are listed and handed over. In a
 cross-layer pool (TensorRT-LLM's; one view) the first 64 MiB are listed in plain Python a window
-at a time (``plan.head_list``: 4 copies, then 8, then 16 at a time), each enqueued before the next is
+at a time (``plan.head_list``: 4 copies, then 8, 16, 32), each enqueued before the next is
 listed, so that the engines start after a few blocks' worth of host work; the rest is listed
 with numpy (``plan.copy_list``) in windows doubling up to 64 MiB (``window_bounds``). Why Python
 first: an operation on a GPU host starts with the CPU caches swept by the last one's DMA, where
@@ -47,7 +47,7 @@ from kvdepot.transfer.torch_mover import TorchBlockMover
 WINDOW_BYTES = 64 << 20
 FIRST_WINDOW_BYTES = 2 << 20
 EARLY_BYTES = 64 << 20  # how much of a one-view move is listed in Python (``plan.head_list``) ...
-EARLY_COPIES = (4, 16)  # ... in windows of at most 4 copies, then 8, 16, 16, ... (and ``window_bytes``)
+EARLY_COPIES = (4, 32)  # ... in windows of at most 4 copies, then 8, 16, 32, 32, ... (and ``window_bytes``)
 logger = logging.getLogger("kvdepot")
 
 
@@ -94,7 +94,7 @@ class BatchBlockMover(OneChunk):
                  lanes: int = 1, early_bytes: int = EARLY_BYTES, driver: BatchDriver = CUDA_DRIVER) -> None:
         """``first_window_bytes``: the first window's size (doubling up to ``window_bytes``); None:
         all equal. ``early_bytes``: how much of a one-view move is listed in Python, a window at a
-        time (4 copies, then twice as many each time up to 16), before the rest of its copy list
+        time (4 copies, then twice as many each time up to 32), before the rest of its copy list
         (0: none).
         ``lanes``: streams a move's windows alternate on (config ``transfer_lanes``).
         ``driver``: the device's side of it (``cuda_batch.CudaDriver``; tests and CPU benches pass
@@ -194,7 +194,7 @@ class _BatchMove:
         self._windows: list[tuple[CopyList, int, int, int]] = []  # list, lo, hi, bytes of the move through it
         self._unlisted: Sequence[ChunkCopy] | None = None  # chunk parts whose copy list is not built yet
         self._next = 0  # the next window to enqueue
-        self._step = 0  # early windows listed by this thread: 4 copies, then 8, 16, 16, ...
+        self._step = 0  # early windows listed by this thread: 4 copies, then 8, 16, 32
         self._checked: set[int] = set()  # host allocations the driver may copy
         self._by_torch = False  # part of the move cannot go through the batch call: torch copies it all
         self._refusal: RuntimeError | None = None
@@ -240,12 +240,12 @@ class _BatchMove:
 
     def _window_left(self, limit: int | None = None) -> bool:
         """Whether a window is left to enqueue. Windows are listed as they are needed: first in
-        Python (one view: 4 copies, then 8, then 16 at a time up to ``early_bytes``), each
-        enqueued before the next is built, then the rest of the move at once with numpy. Doubling
-        keeps ahead of the copy engines only while a copy is listed and handed over in under half
-        its PCIe time: a 256 KiB block copies in ~4.7 us, and a cold copy cost ~2.3 us of host
-        time on the H200's host (run AH: a 32-copy window took ~75 us to list and hand over, as
-        long as the 16 before it took to copy). 16 copies take ~45 us there and copy for ~75."""
+        Python (one view: 4 copies, then 8, 16 and 32 at a time up to ``early_bytes``), each
+        enqueued before the next is built, then the rest of the move at once with numpy. At most
+        32 copies, because whoever lists the next window (a store's issuer, just woken) leaves the
+        copy engines idle until its first call returns: a window of 128 256 KiB blocks took
+        ~240 us to list and hand over on the H200's host, 32 take ~60 and copy for ~150. (A cap
+        of 16, tried in run AM for the host's slow phases, read 1-3 points lower at 256 KiB.)"""
         if self._next == len(self._windows) and self._unlisted and not self._by_torch and self._refusal is None:
             done = self._windows[-1][3] if self._windows else 0
             if limit is not None and done and done >= limit:
