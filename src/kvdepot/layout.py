@@ -135,7 +135,8 @@ class PoolLayout:
 
     def check_block_ids(self, block_ids: Sequence[int], *, distinct: bool = False) -> None:
         """Every id must be a row of the pool (and, with ``distinct``, appear once: one request's
-        blocks); a bad id is an error before anything moves."""
+        blocks); a bad id is an error before the operation moves anything but its lead
+        (``engine_loads.LoadPath._check_lead``)."""
         if not block_ids:
             return
         # NOTE: no numpy: on a GPU host an operation starts with caches that the last one's DMA
