@@ -46,7 +46,7 @@ from kvdepot.storage.manager import TierManager
 from kvdepot.storage.pinner import ArenaPinner
 from kvdepot.storage.promotions import Promotions
 from kvdepot.transfer import MOVERS, BatchBlockMover, cuda_batch
-from kvdepot.transfer.base import BlockMover, ChunkCopy, split_lead
+from kvdepot.transfer.base import BlockMover, ChunkCopy
 from kvdepot.transfer.inflight import InflightTransfers
 from kvdepot.transfer.plan import PoolViews
 from kvdepot.transfer.streams import CUDA, StreamKit
@@ -284,13 +284,12 @@ class CacheEngine(PoolsOwner):
                 self.host.commit(key, False)
 
         copies = [ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slots[c]) for c in placed]
-        lead, rest = split_lead(copies, self._lead_blocks) if check is not None else ([], copies)
+        lead, rest = self._split_lead(copies, check)
         try:
             if placed and placed[0]:  # cached chunks first: the lead starts later
                 self._check_lead(block_ids, placed[0] * bpc, check)
             if not placed:
-                if check is not None:
-                    check()
+                self._finish_check(check)
                 return StoreHandle(self._transfers, 0, None)
         except BaseException:
             with self._lock:

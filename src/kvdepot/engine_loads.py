@@ -99,6 +99,16 @@ class LoadPath:
         if start and not set(lead).isdisjoint(itertools.islice(block_ids, start)):
             raise LayoutError("block ids of one request must be distinct")
 
+    def _split_lead(self, copies: list[ChunkCopy], check: Callable[[], None] | None) -> tuple[list[ChunkCopy], list[ChunkCopy]]:
+        """(lead, rest) of an operation's chunk parts: a lead only where its id check was put off."""
+        return split_lead(copies, self._lead_blocks) if check is not None else ([], copies)
+
+    @staticmethod
+    def _finish_check(check: Callable[[], None] | None) -> None:
+        """The check put off for a lead, where the operation ends without copying anything."""
+        if check is not None:
+            check()
+
     # ---- retrieve ---------------------------------------------------------------------------
     def retrieve(
         self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
@@ -164,7 +174,7 @@ class LoadPath:
         if end_block <= skip_blocks:
             if lease is not None:
                 self.release(lease)  # nothing to load: the lookup's pins must not outlive the call
-            _run(check)
+            self._finish_check(check)
             return skip_blocks * B, None
         self._promotions.settle(lease)  # a failed promotion is a shorter load, counted below
         pin = ("load", next(self._tokens))
@@ -187,14 +197,14 @@ class LoadPath:
                 self._stats.short_loads += 1
         if not copies:
             self.release(pin)
-            _run(check)
+            self._finish_check(check)
             return skip_blocks * B, None
         layered = None
         if by_layer:  # enqueued a few layers ahead of the forward as it waits (transfer/layered.py)
             layers = self.mover.scatter_layers(copies, self._views, self.layout.num_layers)
             layered = self._transfers.start_layered(layers, self.layout.num_layers, lambda: self.host.release(pin), stream)
         else:
-            lead, rest = split_lead(copies, self._lead_blocks) if check is not None else ([], copies)
+            lead, rest = self._split_lead(copies, check)
             self._transfers.load(lambda: self.mover.scatter_many(rest, self._views), lambda: self.host.release(pin),
                                  stream, lead=(lambda: self.mover.scatter_many(lead, self._views)) if lead else None,
                                  check=check)
@@ -204,12 +214,6 @@ class LoadPath:
             self._stats.bytes_loaded += loaded_blocks * self.layout.bytes_per_block
             self._stats.load_seconds += time.perf_counter() - started
         return (skip_blocks + loaded_blocks) * B, layered
-
-
-
-def _run(check: Callable[[], None] | None) -> None:
-    if check is not None:
-        check()
 
 
 class PoolLoads(LoadPath):

@@ -184,4 +184,3 @@ class CudaDriver:
 
 
 CUDA_DRIVER = CudaDriver()
-

@@ -86,7 +86,7 @@ class _Transfer:
     on_done: Callable[[], None]
     on_fail: Callable[[], None]  # runs instead of on_done when the copies could not be enqueued
     event: Any = None  # recorded after the copies; None until then, and after a failed issue
-    issued: _Flag = field(default_factory=lambda: _Flag())
+    issued: _Flag = field(default_factory=_Flag)
     failed: bool = False
 
     def finished(self) -> bool:
@@ -162,13 +162,10 @@ class InflightTransfers:
             if started:  # the lead's copies may still land in the slots: they are freed after them
                 transfer.failed = True
                 transfer.event = self._after_enqueued(side)
-                transfer.issued.set()
-                with self._lock:
-                    self._queued -= 1
-            else:  # nothing enqueued: take the store back
-                transfer.issued.set()
-                with self._lock:
-                    self._queued -= 1
+            transfer.issued.set()
+            with self._lock:
+                self._queued -= 1
+                if not started:  # nothing enqueued: take the store back
                     self.inflight.remove(transfer)
                     transfer.on_fail()
             raise

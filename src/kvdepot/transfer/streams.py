@@ -35,6 +35,8 @@ class StreamKit(Protocol):
 
     def use(self, stream: Any) -> contextlib.AbstractContextManager[Any]: ...
 
+    def after(self, stream: Any, other: Any) -> None: ...
+
 
 _STREAMS: dict[tuple[int, int, int], torch.cuda.Stream] = {}  # torch Stream objects by (id, device, type)
 
