@@ -22,9 +22,23 @@ def test_bench_transfer_measures_each_batch_variant_in_one_run(kvdepot_env_clear
     rows = transfer.run(_args(transfer, "--device", "cpu", "--mover", "batch", "--tokens", "256", "--reps", "2", "--layers", "2",
                               "--store-head-mib", "0,4", "--lanes", "1,2"))
     movers = ["batch head 0 lanes 1", "batch head 0 lanes 2", "batch head 4 lanes 1", "batch head 4 lanes 2"]
-    assert [r["mover"] for r in rows] == [m for m in movers for _ in range(3)]
-    assert [r["op"] for r in rows[:3]] == ["store", "2 stores at once", "retrieve"]
+    assert [r["mover"] for r in rows] == [m for m in movers for _ in range(4)]
+    assert [r["op"] for r in rows[:4]] == ["store", "2 stores at once", "retrieve", "lookup + retrieve"]
     assert all(r["ratio"] > 0 and r["call us"] > 0 for r in rows)
+
+
+def test_what_runs_before_an_operation_is_off_its_clock():
+    """``paired_seconds(before=...)``: a load's lookup (the scheduler's call) runs ahead of each timed
+    load, every time, and none of its time is counted."""
+    import time
+
+    from kvdepot.bench.common import paired_seconds
+
+    ran = []
+    op_s, _, _ = paired_seconds(lambda: ran.append("op"), lambda: None, torch.device("cpu"), reps=3,
+                                before=lambda: (ran.append("before"), time.sleep(0.05)))
+    assert ran == ["before", "op"] * 4  # the warm-up pair and three timed ones
+    assert op_s < 0.01
 
 
 @pytest.mark.parametrize("sweep", ["0", "4"])

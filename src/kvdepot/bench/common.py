@@ -79,18 +79,24 @@ def memcpy_ceiling(nbytes: int, device: torch.device, reps: int) -> tuple[float,
 
 
 def paired_seconds(
-    op: Callable[[], Any], ceiling: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1
+    op: Callable[[], Any], ceiling: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1,
+    before: Callable[[], Any] | None = None,
 ) -> tuple[float, float, float]:
     """(median seconds of ``op``, of ``ceiling``, median of the per-pair ratios ceiling/op), the
     two timed alternately. Single runs on the H200 moved by 10-20% with what else crossed the
-    host's PCIe switch; a drift like that hits both members of a pair alike."""
+    host's PCIe switch; a drift like that hits both members of a pair alike. ``before`` runs
+    ahead of each ``op``, off the clock (a load's lookup, which an engine's scheduler makes)."""
     for _ in range(warmup):
+        if before is not None:
+            before()
         op()
         ceiling()
         sync(device)
     ops, ceilings = [], []
     for _ in range(reps):
         for fn, times in ((op, ops), (ceiling, ceilings)):
+            if before is not None and fn is op:
+                before()
             sync(device)
             start = time.perf_counter()
             fn()
