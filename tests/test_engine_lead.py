@@ -309,3 +309,34 @@ def test_a_store_with_a_bad_id_in_its_lead_evicts_nothing_from_a_full_cache(make
         engine.store(_keys(engine, 1000), _bad(_ids(2), 1, "range", 0))
     _idle(engine)
     assert engine.lookup(keys) == N * TPB
+
+
+@pytest.mark.parametrize(("streams", "lead", "where"), [
+    ("immediate", 2, "inside-lead"), ("immediate", 2, "past-lead"), ("immediate", 16, "whole"),
+    ("cpu", 2, "past-lead"), ("immediate", 2, "negative-skip"),
+])
+def test_a_load_that_raises_has_released_its_lease(make, streams, lead, where):
+    """Wherever a load with a lease fails on bad input (its lead's ids, the ids after the lead
+    once the lead is copied, the whole list, a bad ``skip_blocks``), the lookup's pins are gone when
+    it raises: none of it waits for the lease's timeout. The chunks stay cached and load again."""
+    from kvdepot.engine_api import Lease
+
+    engine, rows = make(lead=lead, immediate=streams == "immediate")
+    keys, src, dst = _keys(engine), _ids(1), _ids(2)
+    stored = rows[src].clone()
+    engine.store(keys, src).wait()
+    lease = Lease("req-1")
+    assert engine.lookup(keys, lease=lease) == N * TPB
+    assert engine.stats().live_leases == 1
+    bad = {"inside-lead": _bad(dst, 1, "range", 0), "past-lead": _bad(dst, 7, "range", 0),
+           "whole": _bad(dst, 7, "dup-lead", 0), "negative-skip": dst}[where]
+    with pytest.raises(LayoutError):
+        engine.retrieve(keys, bad, lease=lease, skip_blocks=-1 if where == "negative-skip" else 0)
+    _idle(engine)  # no lease, no pins, nothing in flight: without a release call
+    poison = _poison(rows, 5)
+    assert engine.lookup(keys, lease=lease) == N * TPB
+    assert engine.retrieve(keys, dst, lease=lease) == N * TPB
+    expect = poison.clone()
+    expect[dst] = stored
+    assert torch.equal(rows, expect)
+    _idle(engine)

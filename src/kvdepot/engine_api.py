@@ -58,7 +58,8 @@ Failures: bad input raises ``LayoutError`` (one line naming the value). A bad bl
 before anything is copied to or from a block outside the pool, a block listed twice, or a block
 a load skips; on a GPU, a list longer than a few MiB of blocks may have had its first blocks (its
 lead) copied by then: a load's own chunks into blocks it was given to fill, a store's into slots
-it then frees (``engine_loads.LoadPath._check_lead``). An unavailable server never
+it then frees (``engine_loads.LoadPath._check_lead``). A load that raises has released its
+lease, wherever it failed (its pins never wait for the lease's timeout). An unavailable server never
 raises (a probe answers ``Hit(0, 0)``, a store is skipped, a load answers ``skip_blocks * B``),
 so a connector recomputes. This module imports nothing heavy (no torch): connectors and tools can
 type against it cheaply.

@@ -162,12 +162,21 @@ class LoadPath:
     ) -> tuple[int, LayeredLoad | None]:
         started = time.perf_counter()
         B, bpc = self.layout.tokens_per_block, self.layout.blocks_per_chunk
-        check = self._check_blocks(len(keys), block_ids, lead=not by_layer)
-        # NOTE: skip_blocks is checked even without num_blocks: a negative one would index the
-        # block list from its end and overwrite blocks the engine holds.
-        if skip_blocks < 0 or (num_blocks is not None and num_blocks < 0):
-            raise LayoutError(f"skip_blocks={skip_blocks} and num_blocks={num_blocks} must be >= 0")
-        self._check_lead(block_ids, skip_blocks, check)  # the load's first blocks (where the check waits)
+        try:
+            check = self._check_blocks(len(keys), block_ids, lead=not by_layer)
+            # NOTE: skip_blocks is checked even without num_blocks: a negative one would index the
+            # block list from its end and overwrite blocks the engine holds.
+            if skip_blocks < 0 or (num_blocks is not None and num_blocks < 0):
+                raise LayoutError(f"skip_blocks={skip_blocks} and num_blocks={num_blocks} must be >= 0")
+            self._check_lead(block_ids, skip_blocks, check)  # the load's first blocks (where the check waits)
+        except BaseException:
+            # A load that raises has released its lease, wherever it failed: past this point the
+            # lease's pins pass to the load's own (released with its copies), so a check that
+            # fails after the lead has copied finds the lease gone; here it goes too, rather than
+            # pinning the chunks until the lease times out.
+            if lease is not None:
+                self.release(lease)
+            raise
         end_block = min(len(keys) * bpc, len(block_ids))
         if num_blocks is not None:
             end_block = min(end_block, skip_blocks + num_blocks)
