@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from kvdepot import engine_loads
 from kvdepot.config import DepotConfig
 from kvdepot.engine import CacheEngine
+from kvdepot.engine_api import Lease
 from kvdepot.errors import LayoutError
 from kvdepot.layout import PoolLayout
 from kvdepot.transfer import StagedBlockMover, TorchBlockMover
@@ -319,8 +320,6 @@ def test_a_load_that_raises_has_released_its_lease(make, streams, lead, where):
     """Wherever a load with a lease fails on bad input (its lead's ids, the ids after the lead
     once the lead is copied, the whole list, a bad ``skip_blocks``), the lookup's pins are gone when
     it raises: none of it waits for the lease's timeout. The chunks stay cached and load again."""
-    from kvdepot.engine_api import Lease
-
     engine, rows = make(lead=lead, immediate=streams == "immediate")
     keys, src, dst = _keys(engine), _ids(1), _ids(2)
     stored = rows[src].clone()

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 
 import pytest
 import torch
 
 from kvdepot.bench import bookkeeping, dma_ceiling, transfer
+from kvdepot.bench.common import paired_seconds
 
 
 def _args(module, *argv: str) -> argparse.Namespace:
@@ -30,10 +32,6 @@ def test_bench_transfer_measures_each_batch_variant_in_one_run(kvdepot_env_clear
 def test_what_runs_before_an_operation_is_off_its_clock():
     """``paired_seconds(before=...)``: a load's lookup (the scheduler's call) runs ahead of each timed
     load, every time, and none of its time is counted."""
-    import time
-
-    from kvdepot.bench.common import paired_seconds
-
     ran = []
     op_s, _, _ = paired_seconds(lambda: ran.append("op"), lambda: None, torch.device("cpu"), reps=3,
                                 before=lambda: (ran.append("before"), time.sleep(0.05)))
