@@ -1,4 +1,4 @@
-"""``kvdepot bench firsthit`` on CPU: one order in this process; every hit whole and bit-exact."""
+"""``kvdepot bench firsthit`` on CPU: one order and warm-up in this process; every hit whole and bit-exact."""
 
 from __future__ import annotations
 
@@ -24,13 +24,19 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["--device", "cpu", "--model", "tiny", "--length", "600", "--hits", "3", *argv])
 
 
+@pytest.mark.parametrize("warmup", first_hit.WARMUPS)
 @pytest.mark.parametrize("order", first_hit.ORDERS)
-def test_each_order_times_whole_bit_exact_hits_and_summarises_first_over_later(order, capsys):
-    out = first_hit.run(_args("--order", order))
+def test_each_order_times_whole_bit_exact_hits_and_summarises_first_over_later(order, warmup, capsys, monkeypatch):
+    from kvdepot.runtime import Engine
+
+    warmed, real = [], Engine.warm_up
+    monkeypatch.setattr(Engine, "warm_up", lambda self: (warmed.append(1), real(self)))
+    out = first_hit.run(_args("--order", order, "--warmup", warmup))
+    assert warmed == ([1] if warmup == "on" else [])  # asked for on CPU too, where the default is off
     assert [r["prompt"] for r in out["rows"]] == [0, 1, 2]
-    assert all(r["order"] == order and r["hit==device bitwise"] for r in out["rows"])
-    kinds = {(s["order"], s["hit"]) for s in out["summary"]}
-    assert kinds == {(order, "kvdepot hit"), (order, "device hit")}
+    assert all(r["order"] == order and r["warm-up"] == warmup and r["hit==device bitwise"] for r in out["rows"])
+    kinds = {(s["warm-up"], s["order"], s["hit"]) for s in out["summary"]}
+    assert kinds == {(warmup, order, "kvdepot hit"), (warmup, order, "device hit")}
     for s in out["summary"]:
         assert s["first/later"] == pytest.approx(s["first ms"] / s["later median ms"])
     assert "first hit of a process" in capsys.readouterr().out

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import torch
 from runtime_fakes import Script, built_outputs, make_recording_connector, prompt, recording_engine
 
 from kvdepot.errors import ConfigError
@@ -175,3 +176,46 @@ def test_metadata_must_survive_the_broadcast_pickle():
     engine = Engine("tiny", llm_args=llm_args, connector=(Unpicklable, worker))
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
         engine.generate([_prompt(40)], 2)
+
+
+# -- the warm-up (reference §5.1: PyExecutor warms up, then registers the pool) ---------------
+
+
+def _warm_engine(script: Script, warmup: bool | None, model: str = "tiny") -> Engine:
+    llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(max_tokens=4096))
+    return Engine(model, llm_args=llm_args, connector=make_recording_connector(script), warmup=warmup)
+
+
+def test_warm_up_runs_between_the_connector_and_the_pool_registration_and_calls_no_hook(monkeypatch):
+    script, seen = Script(), []
+    real = Engine.warm_up
+
+    def recorded(self: Engine) -> None:
+        seen.append(list(script.names()))  # the calls made before the warm-up
+        real(self)
+        seen.append(list(script.names()))
+
+    monkeypatch.setattr(Engine, "warm_up", recorded)
+    engine = _warm_engine(script, True)
+    assert seen[0] == seen[1] == ["register_forward_pass_callable"]  # built, not yet registered
+    assert script.names() == ["register_forward_pass_callable", "register_kv_caches"]
+    assert engine.blocks.num_available() == engine.num_blocks  # the block manager never heard of it
+    assert not engine.pool.any()  # nothing of it stays in the pool
+
+
+def test_warm_up_is_on_by_default_on_cuda_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(Engine, "warm_up", lambda self: calls.append(self.device.type))
+    _warm_engine(Script(), None)
+    assert calls == []  # CPU: no one-time toll to pay (bench firsthit), and tests build many engines
+    _warm_engine(Script(), True)
+    assert calls == ["cpu"]
+
+
+@pytest.mark.parametrize("model", ["tiny", "mla-tiny"])
+def test_a_warmed_up_engine_answers_bit_for_bit_as_a_cold_one(model):
+    warm, cold = _warm_engine(Script(), True, model), _warm_engine(Script(), False, model)
+    prompts = [_prompt(70, 3), _prompt(33, 9)]
+    for a, b in zip(warm.generate(prompts, 5), cold.generate(prompts, 5), strict=True):
+        assert a.output_ids == b.output_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))

@@ -131,3 +131,15 @@ def test_llama_1b_shape_with_reuse_in_bf16():
     assert warm.num_device_reused_tokens == 1984
     torch.testing.assert_close(warm.logits[0], cold.logits[0], atol=0.15, rtol=0.05)
     print(f"llama-1b bf16 TTFT cold {cold.ttft_s * 1e3:.1f} ms, warm {warm.ttft_s * 1e3:.1f} ms")
+
+
+def test_cuda_engine_warms_up_before_the_pool_is_registered_and_leaves_it_zeroed():
+    script = Script()
+    engine = Engine("tiny", device="cuda", llm_args=_args(), connector=make_recording_connector(script))
+    assert script.names() == ["register_forward_pass_callable", "register_kv_caches"]
+    assert not engine.pool.any()
+    cold = Engine("tiny", device="cuda", llm_args=_args(), warmup=False)
+    prompts = [_prompt(70), _prompt(33, 300)]
+    for a, b in zip(engine.generate(prompts, 3), cold.generate(prompts, 3), strict=True):
+        assert a.output_ids == b.output_ids
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits, strict=True))

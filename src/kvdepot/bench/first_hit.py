@@ -13,6 +13,11 @@ process), after a warm-up of misses only, and times ``--hits`` prompts, each ser
 If the first row of either kind is slow only when it comes first in its process, the toll is the
 runtime's (it follows whatever runs first); if the first kvdepot hit is slow in both orders, it is
 kvdepot's. Every hit must load the whole prompt (else the bench raises).
+
+``--warmup``: whether the engine runs its construction-time warm-up (``Engine.warm_up``: a prefill,
+a chunk and a token over past KV, before the pool is registered, as TensorRT-LLM 1.2's
+``PyExecutor`` warms up). ``on`` is what a TensorRT-LLM server does; ``off`` shows the toll that
+the warm-up pays instead (on CPU neither has one: the warm-up is skipped there unless asked).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from kvdepot.bench.report import Report, add_output_arguments
 
 ORDERS = ("kvdepot-first", "device-first")
+WARMUPS = ("on", "off")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,16 +50,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hits", type=int, default=4, help="prompts per order (the first and the later ones)")
     parser.add_argument("--order", choices=ORDERS + ("both",), default="both",
                         help="which kind of hit a fresh process meets first (both: one process each)")
+    parser.add_argument("--warmup", choices=WARMUPS + ("both",), default="both",
+                        help="the engine's warm-up at construction (Engine.warm_up) on, off, or both (a process each)")
     add_output_arguments(parser)
 
 
-def _one_order(args: argparse.Namespace, order: str) -> list[dict[str, Any]]:
+def _one_order(args: argparse.Namespace, order: str, warmup: str) -> list[dict[str, Any]]:
     """The rows of one order, in this process (which must not have served a hit before)."""
     from kvdepot.bench.ttft import _engine, _prompt, _ready, _teardown
     from kvdepot.integrations.tensorrt_llm.providers import current_engine
 
     pool = -(-(args.length + 64) // 32) * 32  # whole blocks of 32 tokens (bench ttft's engine)
-    eng = _engine(args, pool, connected=True)
+    eng = _engine(args, pool, connected=True, warmup=warmup == "on")
     _ready(None)
     vocab = eng.model.config.vocab_size
     whole = args.length - current_engine().config.chunk_size  # at least: all but the last, partial chunk
@@ -74,44 +82,48 @@ def _one_order(args: argparse.Namespace, order: str) -> list[dict[str, Any]]:
         if hit.num_connector_matched_tokens < whole or device.num_device_reused_tokens == 0:
             raise RuntimeError(f"prompt {i}: kvdepot loaded {hit.num_connector_matched_tokens} of {args.length}, "
                                f"the device reused {device.num_device_reused_tokens}")
-        rows.append({"order": order, "prompt": i, "kvdepot hit ms": hit.ttft_s * 1e3, "device hit ms": device.ttft_s * 1e3,
+        rows.append({"warm-up": warmup, "order": order, "prompt": i, "kvdepot hit ms": hit.ttft_s * 1e3, "device hit ms": device.ttft_s * 1e3,
                      "hit==device bitwise": bool(torch.equal(hit.logits[0], device.logits[0]))})
     _teardown()
     return rows
 
 
-def _in_fresh_process(args: argparse.Namespace, order: str) -> list[dict[str, Any]]:
+def _in_fresh_process(args: argparse.Namespace, order: str, warmup: str) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="kvd-firsthit-") as tmp:
         out = Path(tmp) / "rows.json"
-        cmd = [sys.executable, "-m", "kvdepot.cli", "bench", "firsthit", "--order", order, "--device", args.device,
+        cmd = [sys.executable, "-m", "kvdepot.cli", "bench", "firsthit", "--order", order, "--warmup", warmup, "--device", args.device,
                "--model", args.model, "--length", str(args.length), "--hits", str(args.hits), "--json", str(out)]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         return json.loads(out.read_text())["rows"]
 
 
 def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per order and kind: the first row over the median of the later ones."""
+    """Per warm-up, order and kind: the first row over the median of the later ones."""
     out = []
-    for order in ORDERS:
-        mine = [r for r in rows if r["order"] == order]
-        if len(mine) < 2:
-            continue
-        for kind in ("kvdepot hit ms", "device hit ms"):
-            later = statistics.median(r[kind] for r in mine[1:])
-            out.append({"order": order, "hit": kind.removesuffix(" ms"), "first ms": mine[0][kind],
-                        "later median ms": later, "first/later": mine[0][kind] / later})
+    for warmup in WARMUPS:
+        for order in ORDERS:
+            mine = [r for r in rows if r["order"] == order and r["warm-up"] == warmup]
+            if len(mine) < 2:
+                continue
+            for kind in ("kvdepot hit ms", "device hit ms"):
+                later = statistics.median(r[kind] for r in mine[1:])
+                out.append({"warm-up": warmup, "order": order, "hit": kind.removesuffix(" ms"), "first ms": mine[0][kind],
+                            "later median ms": later, "first/later": mine[0][kind] / later})
     return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     orders = ORDERS if args.order == "both" else (args.order,)
-    report = Report(args, steps=len(orders), device=torch.device(args.device), name="bench firsthit")
+    warmups = WARMUPS if args.warmup == "both" else (args.warmup,)
+    runs = [(w, o) for w in warmups for o in orders]
+    report = Report(args, steps=len(runs), device=torch.device(args.device), name="bench firsthit")
     report.table(f"kvdepot bench firsthit — {args.model}, {args.length}-token prompts, {args.hits} per order, "
-                 "each order in a fresh process", order=13)
+                 "each order and warm-up in a fresh process", order=13)
     rows: list[dict[str, Any]] = []
-    for order in orders:
-        with report.step(order):
-            got = _in_fresh_process(args, order) if args.order == "both" else _one_order(args, order)
+    fresh = len(runs) > 1
+    for warmup, order in runs:
+        with report.step(f"{order}, warm-up {warmup}"):
+            got = _in_fresh_process(args, order, warmup) if fresh else _one_order(args, order, warmup)
         rows += [report.add(row) for row in got]
     summary = _summary(rows)
     if summary:

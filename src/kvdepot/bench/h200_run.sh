@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma ab19 goals19
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma firsthit19 ab19 goals19
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -43,7 +43,7 @@ for step in $steps; do
            python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/tiers.txt" ;;
     pieces) mkdir -p /tmp/kvd-disk  # disk reads by piece size (1024 MiB: one read, then one checksum pass)
             for mib in 1024 16 8 4; do echo "--- READ_PIECE $mib MiB"
-              python3 -c "import sys; from kvdepot.storage import disk; disk.READ_PIECE = $mib << 20
+              python3 -c "import sys; from kvdepot.storage import disk_io; disk_io.READ_PIECE = $mib << 20
 from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --disk-path /tmp/kvd-disk --reps 5
             done 2>&1 | tee "$OUT/pieces.txt" ;;
     anatomy) { python3 -m kvdepot.cli bench transfer --mover staged --timeline
@@ -67,9 +67,14 @@ from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --dis
       done 2>&1 | tee "$OUT/goals19_transfer.txt"
       KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes in-process,mp --lengths 4096,16384,32768 \
         > "$OUT/goals19_ttft.txt" 2>&1; grep -E "^(mode|in-process|mp) " "$OUT/goals19_ttft.txt"
-      python3 -m kvdepot.cli bench firsthit --length 4096 --hits 4 2>&1 | tee "$OUT/goals19_firsthit.txt" | tail -7
+      python3 -m kvdepot.cli bench firsthit --length 4096 --hits 4 2>&1 | tee "$OUT/goals19_firsthit.txt" | tail -11
       mkdir -p /tmp/kvd-disk
       python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/goals19_disk.txt" | tail -6 ;;
+    firsthit19) # whose is the first hit's toll: the engine's warm-up on/off (a process each), then off with
+                # every kernel loaded at start (CUDA_MODULE_LOADING=EAGER): gone there = lazy kernel loading
+      { python3 -m kvdepot.cli bench firsthit --length 4096 --hits 4
+        CUDA_MODULE_LOADING=EAGER python3 -m kvdepot.cli bench firsthit --length 4096 --hits 4 --warmup off
+      } 2>&1 | tee "$OUT/firsthit19.txt" | grep -E "^(on|off) " ;;
     ab19) # 256-block operations per shape, an older tree (OLD_SRC: a copy of its src/) and this one, old new new old
       for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "--layers 16 --head-dim 64 --tokens-per-block 8"; do
         for tree in "${OLD_SRC:?set OLD_SRC to the src dir of an older tree}" src src "$OLD_SRC"; do

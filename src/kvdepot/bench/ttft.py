@@ -74,7 +74,8 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(n)]
 
 
-def _engine(args: argparse.Namespace, max_tokens: int, connected: bool, server_url: str | None = None):
+def _engine(args: argparse.Namespace, max_tokens: int, connected: bool, server_url: str | None = None,
+            warmup: bool | None = None):
     from kvdepot.runtime import Engine, KvCacheConfig, KvCacheConnectorConfig, TorchLlmArgs
     from kvdepot.runtime.llm_args import MainKvCacheConnectorConfig
 
@@ -87,7 +88,7 @@ def _engine(args: argparse.Namespace, max_tokens: int, connected: bool, server_u
                  else KvCacheConnectorConfig(**names))
     llm_args = TorchLlmArgs(kv_cache_config=KvCacheConfig(tokens_per_block=32, max_tokens=max_tokens),
                             kv_connector_config=connector if connected else None)
-    return Engine(args.model, device=args.device, llm_args=llm_args, seed=0)
+    return Engine(args.model, device=args.device, llm_args=llm_args, seed=0, warmup=warmup)
 
 
 def _ready(server_url: str | None) -> None:

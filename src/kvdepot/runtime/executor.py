@@ -28,6 +28,7 @@ blocks. An exception from any other connector call propagates (the loop stops, n
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -67,9 +68,14 @@ class Engine:
         connector: ConnectorClasses | None = None,
         seed: int = 0,
         tp: TpGroup | None = None,
+        warmup: bool | None = None,
     ):
         """``tp``: this process is one rank of ``tensor_parallel_size`` (``runtime.tp``); every rank
-        builds the same full model (same ``seed``) and keeps its own part of it and of the pool."""
+        builds the same full model (same ``seed``) and keeps its own part of it and of the pool.
+        ``warmup``: run ``warm_up`` before the connector sees the pool, as 1.2's ``PyExecutor``
+        does (reference §5.1); None: on CUDA only, the device whose first forwards of a kind cost
+        a one-time toll (on CPU ``bench firsthit`` found none, and the test suite builds
+        hundreds of engines)."""
         args = llm_args or TorchLlmArgs()
         classes = connector or resolve_connector_classes(args)
         validate_llm_args(args, classes is not None, tp.size if tp is not None else 1)
@@ -90,13 +96,17 @@ class Engine:
         self.pool = torch.zeros(self.model.pool_shape(self.num_blocks, self.tokens_per_block),
                                 dtype=self.model.config.pool_dtype, device=self.device)
         self.blocks = BlockManager(self.num_blocks, self.tokens_per_block, kv.enable_block_reuse)
+        # The forward's own stream, as 1.2's PyExecutor has: layer hooks see it, the rest the outer one.
+        self.execution_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # 1.2's order (reference §5.1): the connector is built, the executor warms up, then the
+        # pool is registered, so no warm-up forward reaches a connector hook.
         self.connector = ConnectorManager.create(classes, self.llm_args, tp) if classes else None
+        if warmup if warmup is not None else self.device.type == "cuda":
+            self.warm_up()
         if self.connector is not None:
             self.connector.register_kv_caches(self.pool)
         self.async_timeout_s = 120.0
         self.overlap = not self.llm_args.disable_overlap_scheduler
-        # The forward's own stream, as 1.2's PyExecutor has: layer hooks see it, the rest the outer one.
-        self.execution_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._next_id = 1
         self._waiting: deque[LlmRequest] = deque()
         self._active: list[LlmRequest] = []  # admitted: prefill, decode or parked for a load
@@ -117,6 +127,39 @@ class Engine:
         if min(caps) <= 0:
             raise ConfigError(f"KV pool would have {min(caps)} blocks; raise max_tokens")
         return min(caps)
+
+    def warm_up(self) -> None:
+        """The forwards a serving engine meets, run once on free blocks with no connector hook
+        (1.2's ``PyExecutor.__init__`` warms up before it registers the pool: reference §5.1).
+
+        A process's first forward of each kind pays a one-time toll on CUDA (kernels loaded on
+        their first launch, library heuristics for a new shape): issue 19 measured 35–60 ms on
+        the first forward over past KV, whichever hit, the engine's or kvdepot's, came first.
+        So, for request A: a prefill from position 0 (causal attention), a chunk after it (a
+        query over past KV with a mask: a prefix hit's recomputed tail, chunked prefill), one
+        token over past KV (decode); then a batch of A's next token and a prefill of B. The
+        blocks are the pool's first ones, which the block manager never hears of, zeroed after
+        (every request writes or loads its blocks before it attends over them anyway)."""
+        tpb, vocab = self.tokens_per_block, self.model.config.vocab_size
+        prefill, chunk = tpb, max(2, tpb // 2)
+        a_blocks = -(-(prefill + chunk + 2) // tpb)
+        if a_blocks + 1 > self.num_blocks:
+            return  # a pool this small is a test's
+        a, b = list(range(a_blocks)), [a_blocks]
+        tokens = [(7 * i + 1) % vocab for i in range(prefill + chunk + 2)]
+        steps = [
+            [Segment(tokens[:prefill], 0, a)],
+            [Segment(tokens[prefill : prefill + chunk], prefill, a)],
+            [Segment(tokens[prefill + chunk : prefill + chunk + 1], prefill + chunk, a)],
+            [Segment(tokens[-1:], prefill + chunk + 1, a), Segment(tokens[1 : tpb + 1], 0, b)],
+        ]
+        stream = self.execution_stream
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for segments in steps:
+                self.model.forward(segments, self.pool)
+            self.pool[: a_blocks + 1].zero_()
+        if stream is not None:
+            stream.synchronize()
 
     # -- public API ------------------------------------------------------------------------------
 
