@@ -8,8 +8,10 @@
   payload either way.
 * **One checksum pass.** A write sends a payload over ``OVERLAP`` bytes to the file while a
   helper thread computes its header (xxhash releases the GIL), then writes the header block; a
-  read of a payload over ``READ_PIECE`` bytes goes in pieces, a helper checksumming each piece
-  where it landed while the next is read (on the GPU host one pass after a whole read cost ~20%).
+  read of a payload over ``READ_PIECE`` bytes goes in pieces, ``READ_DEPTH`` of them in flight on
+  reader threads, a helper checksumming each piece where it landed while later ones are read (on
+  the GPU host one pass after a whole read cost ~20%; one piece at a time left the disk idle
+  between pieces).
 
 ``ObjectFiles`` knows nothing of indexes, budgets or eviction (``disk.DiskTier`` does): it writes
 one object to a path it is given and reads one back, verified. Thread-safe: buffers are per thread.
@@ -23,8 +25,9 @@ import mmap
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import suppress
 
 import numpy as np
@@ -38,7 +41,8 @@ O_DIRECT = getattr(os, "O_DIRECT", 0)  # module attribute so tests can emulate t
 ALIGN = 4096  # O_DIRECT offset/length/buffer alignment (a multiple of every logical block size)
 OFFSET = codec.ALIGNED_OFFSET  # where the payload of every disk object starts (one aligned block)
 OVERLAP = 4 << 20  # a longer payload is checksummed on a helper thread while it is written
-READ_PIECE = 4 << 20  # a longer payload is read in pieces of this size, checksummed as they land
+READ_PIECE = 2 << 20  # a longer payload is read in pieces of this size, checksummed as they land
+READ_DEPTH = 4  # pieces of one payload read at once (the disk's queue depth for one read)
 CORRUPT, GONE, ERROR = "corrupt", "gone", "error"  # why ``ObjectFiles.read`` found no payload
 
 
@@ -126,14 +130,16 @@ class ObjectFiles:
         self.namespace, self.o_direct, self.fsync, self.where = namespace, o_direct, fsync, where
         self._local = threading.local()  # per-thread aligned buffers for O_DIRECT
         self._lock = threading.Lock()
-        self._helpers: ThreadPoolExecutor | None = None  # checksums that overlap writes
+        self._helpers: ThreadPoolExecutor | None = None  # checksums that overlap writes and reads
+        self._readers: ThreadPoolExecutor | None = None  # the pieces of long reads
 
     def close(self) -> None:
-        """Stop the checksum helpers (after the calls in flight); drop this thread's buffers."""
+        """Stop the checksum helpers and readers (after the calls in flight); drop this thread's buffers."""
         with self._lock:
-            helpers, self._helpers = self._helpers, None
-        if helpers is not None:
-            helpers.shutdown(wait=True)
+            pools, self._helpers, self._readers = (self._helpers, self._readers), None, None
+        for pool in pools:
+            if pool is not None:
+                pool.shutdown(wait=True)
         for name in ("blocks", "bounce"):
             with suppress(AttributeError):
                 delattr(self._local, name)
@@ -143,6 +149,14 @@ class ObjectFiles:
             if self._helpers is None:
                 self._helpers = ThreadPoolExecutor(4, thread_name_prefix="kvdepot-disk-checksum")
             return self._helpers
+
+    def _reader(self) -> ThreadPoolExecutor:
+        """Reader threads apart from the checksum helpers: a helper waits for pieces, so a read
+        queued behind helpers busy with other payloads' checksums would never come."""
+        with self._lock:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(4 * READ_DEPTH, thread_name_prefix="kvdepot-disk-read")
+            return self._readers
 
     def _blocks(self) -> memoryview:
         """This thread's two aligned blocks: the header block, and the tail of a payload whose
@@ -225,34 +239,49 @@ class ObjectFiles:
         return header if header is not None and header.offset == OFFSET and header.length == n else None
 
     def _read_pieces(self, fd: int, key: ChunkKey, dst: memoryview, direct: bool) -> tuple[memoryview | None, str | None]:
-        """``read`` of a long payload into ``dst``, ``READ_PIECE`` bytes at a time, while a helper
-        checksums the pieces already read: the checksum pass hides behind the disk except for
-        the last piece (the header is read with the first piece, and checked before the rest)."""
+        """``read`` of a long payload into ``dst`` in ``READ_PIECE`` pieces, ``READ_DEPTH`` of them
+        in flight on reader threads, while a helper checksums the landed ones in order: the
+        disk's queue stays deep (one piece at a time left it idle between pieces), and only the
+        last piece's hash is left after the read. The header block comes with the first piece
+        and is checked when it lands. Reads in flight write into ``dst``: whatever the verdict,
+        none is left running when this returns."""
         n, blocks = dst.nbytes, self._blocks()
         head, tail = blocks[:ALIGN], blocks[ALIGN:]
         cut = n - n % ALIGN if direct else n  # O_DIRECT reads the last partial block into ``tail``
-        if _transfer(os.preadv, fd, [head, dst[:READ_PIECE]], 0, OFFSET + READ_PIECE) < OFFSET + READ_PIECE:
-            return None, CORRUPT
-        header = self._header(head, key, n)
-        if header is None:
-            return None, CORRUPT
+        spans = [(pos, min(pos + READ_PIECE, cut)) for pos in range(0, cut, READ_PIECE)]
+        readers = self._reader()
+
+        def start(i: int) -> tuple[Future[int], int]:
+            lo, hi = spans[i]
+            if i == 0:  # with the header block
+                return readers.submit(_transfer, os.preadv, fd, [head, dst[lo:hi]], 0, OFFSET + hi), OFFSET + hi
+            return readers.submit(_transfer, os.preadv, fd, [dst[lo:hi]], OFFSET + lo, hi - lo), hi - lo
+
+        flight = deque(start(i) for i in range(min(READ_DEPTH, len(spans))))
         pieces: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
-        pieces.put(dst[:READ_PIECE])
-        verdict = self._helper().submit(codec.verify_pieces, header, iter(pieces.get, None))
+        verdict: Future[bool] | None = None
         try:
-            for pos in range(READ_PIECE, cut, READ_PIECE):
-                piece = dst[pos : min(pos + READ_PIECE, cut)]
-                if _transfer(os.preadv, fd, [piece], OFFSET + pos, piece.nbytes) < piece.nbytes:
+            for i, (lo, hi) in enumerate(spans):
+                read, want = flight.popleft()
+                if read.result() < want:
                     return None, CORRUPT  # shrunk while we read
-                pieces.put(piece)
+                if i + len(flight) + 1 < len(spans):
+                    flight.append(start(i + len(flight) + 1))
+                if verdict is None:
+                    header = self._header(head, key, n)
+                    if header is None:
+                        return None, CORRUPT
+                    verdict = self._helper().submit(codec.verify_pieces, header, iter(pieces.get, None))
+                pieces.put(dst[lo:hi])
             if cut < n:
                 if _transfer(os.preadv, fd, [tail], OFFSET + cut, n - cut) < n - cut:
                     return None, CORRUPT
                 dst[cut:] = tail[: n - cut]
                 pieces.put(dst[cut:])
         finally:
+            wait([read for read, _ in flight])
             pieces.put(None)  # ends the helper's pass: a short one fails verification
-            valid = verdict.result()
+            valid = verdict is not None and verdict.result()
         return (dst, None) if valid else (None, CORRUPT)
 
     def open(self, path: str) -> int | None:

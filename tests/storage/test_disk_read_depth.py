@@ -1,0 +1,113 @@
+"""A long disk read keeps ``READ_DEPTH`` pieces in flight, and none outlives the call.
+
+The pieces land in the caller's buffer from reader threads, so a read that ends early (a damaged
+header, a short file) must still wait for every piece it started; the reader threads end with
+the tier.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvdepot.keys import ChunkKey
+from kvdepot.storage import disk, disk_io
+from kvdepot.storage.disk import DiskTier
+
+NS = bytes(range(16))
+PIECE = 2 * disk.ALIGN
+N = 12 * PIECE + 123  # twelve pieces and a partial block
+
+
+def _payload(i: int, n: int = N) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(n))
+
+
+def _buffer(n: int = N) -> memoryview:
+    return memoryview(mmap.mmap(-1, n + 1))[:n]
+
+
+class _SlowReads:
+    """``disk_io._transfer`` with every read after the first held for a while: counts the reads
+    started, finished, and the most in flight at once."""
+
+    def __init__(self, real, delay: float = 0.02) -> None:
+        self.real, self.delay, self.lock = real, delay, threading.Lock()
+        self.started = self.finished = self.active = self.most = 0
+
+    def __call__(self, call, fd, parts, offset, want):
+        with self.lock:
+            self.started += 1
+            self.active += 1
+            self.most = max(self.most, self.active)
+        try:
+            if call is os.preadv and offset > 0:
+                time.sleep(self.delay)
+            return self.real(call, fd, parts, offset, want)
+        finally:
+            with self.lock:
+                self.active -= 1
+                self.finished += 1
+
+
+@pytest.fixture
+def tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(disk_io, "READ_PIECE", PIECE)
+    t = DiskTier(tmp_path / "disk", 10**8, NS, o_direct=False)
+    yield t
+    t.close()
+
+
+@pytest.fixture
+def slow(monkeypatch: pytest.MonkeyPatch) -> _SlowReads:
+    reads = _SlowReads(disk_io._transfer)
+    monkeypatch.setattr(disk_io, "_transfer", reads)
+    return reads
+
+
+def test_a_long_read_keeps_read_depth_pieces_in_flight(tier: DiskTier, slow: _SlowReads) -> None:
+    assert tier.put(ChunkKey(bytes(16)), _payload(1))
+    out = _buffer()
+    slow.started = slow.finished = slow.most = 0
+    assert tier.get_into(ChunkKey(bytes(16)), out) == N and out == _payload(1)
+    assert slow.most == disk_io.READ_DEPTH  # never more, and not one at a time
+    assert slow.started == slow.finished == 12 + 1  # the pieces and the partial block's read
+
+
+@pytest.mark.parametrize("damage", ["header", "zeroed"])
+def test_a_read_that_fails_early_waits_for_every_piece_it_started(
+    tier: DiskTier, slow: _SlowReads, damage: str
+) -> None:
+    key = ChunkKey(bytes(16))
+    assert tier.put(key, _payload(2))
+    (path,) = [p for p in tier.root.rglob("*") if p.is_file() and p.name == key.hex()]
+    if damage == "header":
+        raw = bytearray(path.read_bytes())
+        raw[41] ^= 0x80  # the length field: the header fails when the first piece lands
+        path.write_bytes(raw)
+    else:
+        os.truncate(path, disk.OFFSET + 2 * PIECE)
+        os.truncate(path, disk.OFFSET + N)  # same size, zeros from the third piece: the checksum fails at the end
+    slow.started = slow.finished = 0
+    assert tier.get_into(key, _buffer()) is None
+    assert slow.started == slow.finished > 1  # pieces were in flight, and all of them ended
+    assert tier.stats().corrupt == 1 and not tier.contains(key)
+
+
+def test_the_reader_threads_end_with_the_tier(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(disk_io, "READ_PIECE", PIECE)
+
+    def readers() -> int:
+        return sum(t.name.startswith("kvdepot-disk-") for t in threading.enumerate())
+
+    before = readers()
+    t = DiskTier(tmp_path / "disk", 10**8, NS, o_direct=False)
+    assert t.put(ChunkKey(bytes(16)), _payload(3)) and t.get_into(ChunkKey(bytes(16)), _buffer()) == N
+    assert readers() > before
+    t.close()
+    assert readers() == before
