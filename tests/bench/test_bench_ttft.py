@@ -26,6 +26,10 @@ def test_ttft_bench_in_process_and_through_a_server(tmp_path):
         assert row["hit==device bitwise"] and row["tokens==recompute"]
         assert row["by layer"] is False  # a CPU pool always loads whole
         assert row["+64 partial hit ms"] > 0 and row["suffix only ms"] > 0  # (the bench checks what each loaded)
+        for kind, ttft in (("hit", "kvdepot hit ms"), ("device", "device hit ms")):  # each TTFT's split
+            before, forward = row[f"{kind}: before ms"], row[f"{kind}: forward ms"]
+            assert before > 0 and forward > 0 and before + forward <= row[ttft]
+        assert 0 <= row["hit: to layer 0 ms"] <= row["hit: forward ms"]
     assert [r["connector"] for r in result["misses"]] == [False, True]
     assert 0 < result["misses"][1]["connector host share"] < 1  # the connector's calls were timed
     assert (tmp_path / "ttft.json").exists()

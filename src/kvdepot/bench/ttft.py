@@ -15,7 +15,11 @@ where it can be, each layer's forward waiting only for its own KV), ``whole`` (i
 ``load_by_layer: off``: the forward waits for the whole hit), and ``mp``, through a ``kvdepot
 server`` subprocess that maps the engine's pool by CUDA IPC and does the copies (by layer too),
 
-and the target the issue sets, from figures measured in this run:
+Each hit's and device hit's TTFT is split (``bench/forward_marks.py``): host time ``before`` the
+forward that gave the token, then the device's time ``to layer 0`` (past its load's wait) and for
+the whole ``forward``: where a hit's time above its device hit went, before the forward or in it.
+
+And the target the issue sets, from figures measured in this run:
 ``bound = 1.2 x KV bytes / memcpy GB/s + device-hit TTFT``. A 0%-reuse run (distinct prompts)
 with and without the connector gives the miss overhead on TTFT and on decode throughput, and the
 share of the connected runs' wall time spent inside the connector's calls (what a miss can cost
@@ -38,6 +42,7 @@ import torch
 
 from kvdepot.bench.common import device_name, memcpy_ceiling
 from kvdepot.bench.connector_clock import ConnectorClock
+from kvdepot.bench.forward_marks import ForwardMarks
 from kvdepot.bench.report import Report
 from kvdepot.bench.ttft_first import add_first_arguments, first_hit_rows
 
@@ -155,10 +160,12 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
         miss = eng.generate([a], 1)[0]
         eng.generate([_prompt(pool - 1, 200 + i, vocab)], 1)  # evicts A from the engine's pool
         layered, asks = _layered_loads(server_url), _layer_asks()
-        with ConnectorClock({"worker": ("wait_for_layer_load",)}) as hooks:  # the forward's host time in its hooks
-            hit = eng.generate([a], 1)[0]
+        with ConnectorClock({"worker": ("wait_for_layer_load",)}) as hooks, ForwardMarks(eng) as hit_marks:
+            hit = eng.generate([a], 1)[0]  # (hooks: the forward's host time in its hooks)
         layered, asks = _layered_loads(server_url) - layered, _layer_asks() - asks
-        device = eng.generate([a], 1)[0]
+        with ForwardMarks(eng) as device_marks:
+            device = eng.generate([a], 1)[0]
+        split, floor_split = hit_marks.split(), device_marks.split()
         eng.generate([_prompt(pool - 1, 250 + i, vocab)], 1)
         partial = eng.generate([a + _prompt(args.suffix, 400 + i, vocab)], 1)[0]
         floor = eng.generate([a + _prompt(args.suffix, 500 + i, vocab)], 1)[0]  # A's blocks reused in the pool
@@ -181,6 +188,11 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
             "by layer": layered > 0,  # the hit was loaded by layer (the engine counted it)
             "hooks ms": hooks.seconds * 1e3,  # in wait_for_layer_load: in-process its copies' issue, MP waits
             "LAYERS calls": asks,  # MP: round trips to learn that layers were recorded (0 with the progress page)
+            # Where the hit's time went against its device hit's (bench/forward_marks.py): host time
+            # before the forward, the device's time to get past layer 0's wait, and the forward's.
+            "hit: before ms": split["before ms"], "hit: to layer 0 ms": split["to layer 0 ms"],
+            "hit: forward ms": split["forward ms"],
+            "device: before ms": floor_split["before ms"], "device: forward ms": floor_split["forward ms"],
             "hit==device bitwise": bool(torch.equal(hit.logits[0], device.logits[0])),
             "tokens==recompute": hit.output_ids == miss.output_ids,
             f"+{args.suffix} partial hit ms": partial.ttft_s * 1e3,

@@ -1,0 +1,123 @@
+"""Where a hit's TTFT goes, for ``kvdepot bench ttft``: before its forward, on the way to layer 0,
+and in the forward, each on the clock that can tell.
+
+    with ForwardMarks(engine) as marks:
+        result = engine.generate([prompt], 1)
+    marks.split()   # {"before ms", "to layer 0 ms", "forward ms"} of the last forward
+
+Why: server mode's hits sat 12–14 ms above their device hit at 32K tokens where in-process ones sat
+0–3 (issue 19, runs AR/AS), and a TTFT alone cannot say whether the time went before the forward
+(the lookup, the load's start: host round trips) or inside it (the forward waiting on the device
+for a layer's copies, or the copies themselves slower). The marks are taken in the reference
+runtime's forward: at its start and right after each layer's ``wait_for_layer_load``, as CUDA
+events on the execution stream (the device's time: when the forward could go on past a layer's
+wait) and ``perf_counter`` on the host. ``before ms`` is host time from ``generate`` to the last
+forward's start; ``to layer 0 ms`` and ``forward ms`` are the device's, from that start (on CPU,
+where a forward runs as it is issued, the host's).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+class _Forward:
+    """The marks of one forward: (host seconds, CUDA event or None) at its start, after each
+    layer's wait, and at its end."""
+
+    def __init__(self) -> None:
+        self.start: tuple[float, Any] | None = None
+        self.layers: list[tuple[float, Any]] = []
+        self.end: tuple[float, Any] | None = None
+
+    @staticmethod
+    def mark(stream: Any) -> tuple[float, Any]:
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(stream)
+        return time.perf_counter(), event
+
+    def since_start(self, mark: tuple[float, Any]) -> float:
+        """Seconds from the start to ``mark``: the device's when both are events (synchronized)."""
+        assert self.start is not None
+        if mark[1] is not None and self.start[1] is not None:
+            mark[1].synchronize()
+            return self.start[1].elapsed_time(mark[1]) / 1e3
+        return mark[0] - self.start[0]
+
+
+_UNSET = object()
+
+
+class ForwardMarks:
+    """Marks every forward ``engine`` (a ``runtime.Engine`` with a connector) runs inside the block;
+    ``before ms`` counts from the block's last ``submit`` (its request's TTFT starts there too)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine, self._submitted, self._forwards = engine, 0.0, []
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _patch(self, owner: object, name: str, value: object) -> None:
+        self._saved.append((owner, name, owner.__dict__.get(name, _UNSET)))
+        setattr(owner, name, value)
+
+    def _restore(self, count: int | None = None) -> None:
+        """Undo the last ``count`` patches (all of them: None)."""
+        for _ in range(len(self._saved) if count is None else count):
+            owner, name, before = self._saved.pop()
+            if before is _UNSET:
+                delattr(owner, name)  # the class's again
+            else:
+                setattr(owner, name, before)
+
+    def __enter__(self) -> ForwardMarks:
+        engine = self._engine
+        conn, run_model, submit = engine.connector, engine._run_model, engine.submit
+
+        def submitted(*args: Any, **kwargs: Any) -> int:
+            rid = submit(*args, **kwargs)
+            self._submitted = time.perf_counter()
+            return rid
+
+        def marked(segments: Any, exec_stream: Any) -> Any:
+            forward = _Forward()
+            self._forwards.append(forward)
+            forward.start = forward.mark(exec_stream)
+            hooks = conn.layer_hooks
+
+            def layer_hooks(stream: Any) -> Any:
+                pre, post = hooks(stream)
+
+                def waited(i: int) -> None:
+                    pre(i)
+                    forward.layers.append(forward.mark(stream))
+
+                return waited, post
+
+            self._patch(conn, "layer_hooks", layer_hooks)
+            try:
+                return run_model(segments, exec_stream)
+            finally:
+                self._restore(1)
+                forward.end = forward.mark(exec_stream)
+
+        self._patch(engine, "submit", submitted)
+        self._patch(engine, "_run_model", marked)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def split(self) -> dict[str, float]:
+        """The last forward's split (the one that gave the first token)."""
+        if not self._forwards:
+            raise RuntimeError("no forward ran inside ForwardMarks")
+        last = self._forwards[-1]
+        assert last.start is not None and last.end is not None
+        return {"before ms": (last.start[0] - self._submitted) * 1e3,
+                "to layer 0 ms": last.since_start(last.layers[0]) * 1e3 if last.layers else 0.0,
+                "forward ms": last.since_start(last.end) * 1e3}
