@@ -111,3 +111,23 @@ def test_the_reader_threads_end_with_the_tier(tmp_path: Path, monkeypatch: pytes
     assert readers() > before
     t.close()
     assert readers() == before
+
+
+def test_an_io_error_in_a_middle_piece_is_a_counted_error_and_waits_for_the_rest(
+    tier: DiskTier, slow: _SlowReads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key = ChunkKey(bytes(16))
+    assert tier.put(key, _payload(4))
+    bad = disk.OFFSET + 3 * PIECE
+
+    def failing(call, fd, parts, offset, want):
+        if call is os.preadv and offset == bad:
+            raise OSError(5, "Input/output error")
+        return slow(call, fd, parts, offset, want)
+
+    monkeypatch.setattr(disk_io, "_transfer", failing)
+    slow.started = slow.finished = 0
+    assert tier.get_into(key, _buffer()) is None
+    assert slow.started == slow.finished > 3  # the pieces around the bad one, all ended
+    stats = tier.stats()
+    assert stats.errors == 1 and stats.corrupt == 0
