@@ -141,7 +141,7 @@ class Engine:
         blocks are the pool's first ones, which the block manager never hears of, zeroed after
         (every request writes or loads its blocks before it attends over them anyway)."""
         tpb, vocab = self.tokens_per_block, self.model.config.vocab_size
-        prefill, chunk = tpb, max(2, tpb // 2)
+        prefill, chunk = 2 * tpb, max(2, tpb)  # a hit recomputes about a block after its loaded past
         a_blocks = -(-(prefill + chunk + 2) // tpb)
         if a_blocks + 1 > self.num_blocks:
             return  # a pool this small is a test's
