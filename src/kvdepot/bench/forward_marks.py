@@ -11,26 +11,28 @@ Why: server mode's hits sat 12–14 ms above their device hit at 32K tokens wher
 for a layer's copies, or the copies themselves slower). The marks are taken in the reference
 runtime's forward: at its start and right after each layer's ``wait_for_layer_load``, as CUDA
 events on the execution stream (the device's time: when the forward could go on past a layer's
-wait) and ``perf_counter`` on the host. ``before ms`` is host time from ``generate`` to the last
+wait) and ``perf_counter`` on the host. ``before ms`` is host time from ``submit`` to the last
 forward's start; ``to layer 0 ms`` and ``forward ms`` are the device's, from that start (on CPU,
 where a forward runs as it is issued, the host's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
+from unittest import mock
 
 import torch
 
 
 class _Forward:
-    """The marks of one forward: (host seconds, CUDA event or None) at its start, after each
-    layer's wait, and at its end."""
+    """The marks of one forward that ``split`` reads: (host seconds, CUDA event or None) at its
+    start, after layer 0's wait, and at its end."""
 
     def __init__(self) -> None:
         self.start: tuple[float, Any] | None = None
-        self.layers: list[tuple[float, Any]] = []
+        self.layer0: tuple[float, Any] | None = None
         self.end: tuple[float, Any] | None = None
 
     @staticmethod
@@ -50,29 +52,15 @@ class _Forward:
         return mark[0] - self.start[0]
 
 
-_UNSET = object()
-
-
 class ForwardMarks:
-    """Marks every forward ``engine`` (a ``runtime.Engine`` with a connector) runs inside the block;
-    ``before ms`` counts from the block's last ``submit`` (its request's TTFT starts there too)."""
+    """Marks the forwards ``engine`` (a ``runtime.Engine`` with a connector) runs inside the block,
+    patched on the instance as ``ConnectorClock`` patches the connector's classes; ``before ms``
+    counts from the block's last ``submit`` (its request's TTFT starts there too)."""
 
     def __init__(self, engine: Any) -> None:
-        self._engine, self._submitted, self._forwards = engine, 0.0, []
-        self._saved: list[tuple[object, str, object]] = []
-
-    def _patch(self, owner: object, name: str, value: object) -> None:
-        self._saved.append((owner, name, owner.__dict__.get(name, _UNSET)))
-        setattr(owner, name, value)
-
-    def _restore(self, count: int | None = None) -> None:
-        """Undo the last ``count`` patches (all of them: None)."""
-        for _ in range(len(self._saved) if count is None else count):
-            owner, name, before = self._saved.pop()
-            if before is _UNSET:
-                delattr(owner, name)  # the class's again
-            else:
-                setattr(owner, name, before)
+        self._engine, self._submitted, self._last = engine, 0.0, None
+        self.forwards = 0  # forwards run inside the block
+        self._patches = contextlib.ExitStack()
 
     def __enter__(self) -> ForwardMarks:
         engine = self._engine
@@ -84,8 +72,8 @@ class ForwardMarks:
             return rid
 
         def marked(segments: Any, exec_stream: Any) -> Any:
-            forward = _Forward()
-            self._forwards.append(forward)
+            forward = self._last = _Forward()
+            self.forwards += 1
             forward.start = forward.mark(exec_stream)
             hooks = conn.layer_hooks
 
@@ -94,30 +82,30 @@ class ForwardMarks:
 
                 def waited(i: int) -> None:
                     pre(i)
-                    forward.layers.append(forward.mark(stream))
+                    if i == 0:
+                        forward.layer0 = forward.mark(stream)
 
                 return waited, post
 
-            self._patch(conn, "layer_hooks", layer_hooks)
             try:
-                return run_model(segments, exec_stream)
+                with mock.patch.object(conn, "layer_hooks", layer_hooks):
+                    return run_model(segments, exec_stream)
             finally:
-                self._restore(1)
                 forward.end = forward.mark(exec_stream)
 
-        self._patch(engine, "submit", submitted)
-        self._patch(engine, "_run_model", marked)
+        self._patches.enter_context(mock.patch.object(engine, "submit", submitted))
+        self._patches.enter_context(mock.patch.object(engine, "_run_model", marked))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._restore()
+        self._patches.close()
 
     def split(self) -> dict[str, float]:
         """The last forward's split (the one that gave the first token)."""
-        if not self._forwards:
+        last = self._last
+        if last is None:
             raise RuntimeError("no forward ran inside ForwardMarks")
-        last = self._forwards[-1]
         assert last.start is not None and last.end is not None
         return {"before ms": (last.start[0] - self._submitted) * 1e3,
-                "to layer 0 ms": last.since_start(last.layers[0]) * 1e3 if last.layers else 0.0,
+                "to layer 0 ms": last.since_start(last.layer0) * 1e3 if last.layer0 else 0.0,
                 "forward ms": last.since_start(last.end) * 1e3}
