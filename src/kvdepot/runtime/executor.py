@@ -101,7 +101,7 @@ class Engine:
         # 1.2's order (reference §5.1): the connector is built, the executor warms up, then the
         # pool is registered, so no warm-up forward reaches a connector hook.
         self.connector = ConnectorManager.create(classes, self.llm_args, tp) if classes else None
-        if warmup if warmup is not None else self.device.type == "cuda":
+        if self.device.type == "cuda" if warmup is None else warmup:
             self.warm_up()
         if self.connector is not None:
             self.connector.register_kv_caches(self.pool)
