@@ -40,3 +40,10 @@ def test_each_order_times_whole_bit_exact_hits_and_summarises_first_over_later(o
     for s in out["summary"]:
         assert s["first/later"] == pytest.approx(s["first ms"] / s["later median ms"])
     assert "first hit of a process" in capsys.readouterr().out
+
+
+def test_a_bad_warmup_names_the_option_and_its_choices(capsys):
+    with pytest.raises(SystemExit):
+        _args("--warmup", "sometimes")
+    err = capsys.readouterr().err
+    assert "--warmup" in err and "'on', 'off', 'both'" in err
