@@ -51,8 +51,16 @@ def test_bench_bookkeeping_times_each_shape_and_path(sweep):
         assert r["call us"] > 0
         if r["path"] == "batch":  # a copy was issued after the call began, and all of it by the end
             assert 0 < r["first copy us"] <= r["all issued us"]
+            assert 0 <= r["longest gap us"] < r["all issued us"] - r["first copy us"]
         else:
-            assert math.isnan(r["first copy us"])
+            assert math.isnan(r["first copy us"]) and math.isnan(r["longest gap us"])
+
+
+def test_the_longest_gap_is_between_calls_of_one_direction_with_none_in_the_driver():
+    stamps = bookkeeping.Stamps([(0.0, 1.0, True), (0.5, 3.0, True), (2.0, 2.5, False), (7.0, 8.0, True),
+                                 (4.0, 4.5, True), (9.5, 10.0, False)])
+    assert stamps.longest_gap(True) == 2.5  # 4.5 -> 7.0; 1.0 -> 4.0 is covered by the call to 3.0
+    assert stamps.longest_gap(False) == 7.0
 
 
 @pytest.mark.parametrize(("argv", "named"), [(["--block-kib", "256,x"], "--block-kib"), (["--block-kib", "0"], "--block-kib"),

@@ -69,6 +69,16 @@ class Stamps:
     def last(self, to_host: bool) -> float:
         return max(leave for _, leave, d in self.calls if d == to_host)
 
+    def longest_gap(self, to_host: bool) -> float:
+        """The longest time between the calls of one direction with none of them in the driver:
+        where the copy engines would run dry if the copies took no longer than their calls."""
+        gap, busy_until = 0.0, None
+        for enter, leave, _ in sorted(c for c in self.calls if c[2] == to_host):
+            if busy_until is not None:
+                gap = max(gap, enter - busy_until)
+            busy_until = leave if busy_until is None else max(busy_until, leave)
+        return gap
+
 
 class StubDriver:
     """A batch driver whose call copies nothing: it stamps when it was entered and left, and
@@ -220,9 +230,10 @@ def _bookkeeping(rig: Rig, reps: int) -> dict[str, list[float]]:
 
 
 def _batch(rig: Rig, reps: int, stamps: Stamps) -> dict[str, list[tuple[float, float, float]]]:
-    """Per op, (call returned, first driver call entered, last one left) in us from the call."""
+    """Per op, (call returned, first driver call entered, last one left, longest gap between
+    calls) in us from the call."""
     engine, held = rig.engine, rig.held[0]
-    out: dict[str, list[tuple[float, float, float]]] = {"store": [], "retrieve": [], "both: store": [], "both: retrieve": []}
+    out: dict[str, list[tuple[float, ...]]] = {"store": [], "retrieve": [], "both: store": [], "both: retrieve": []}
     for n in range(reps):
         rig.sweep()
         stamps.calls.clear()
@@ -230,14 +241,14 @@ def _batch(rig: Rig, reps: int, stamps: Stamps) -> dict[str, list[tuple[float, f
         handle = _store(rig, 2 * n)
         t1 = time.perf_counter()
         handle.wait()
-        out["store"].append(((t1 - t0) * 1e6, (stamps.first(True) - t0) * 1e6, (stamps.last(True) - t0) * 1e6))
+        out["store"].append(_row(stamps, True, t0, t1))
         engine.lookup(held, lease=n)
         rig.sweep()
         stamps.calls.clear()
         t0 = time.perf_counter()
         _retrieve(rig, n)
         t1 = time.perf_counter()
-        out["retrieve"].append(((t1 - t0) * 1e6, (stamps.first(False) - t0) * 1e6, (stamps.last(False) - t0) * 1e6))
+        out["retrieve"].append(_row(stamps, False, t0, t1))
         # Both at once, as bench transfer's row: a store, then a load right behind it.
         engine.lookup(held, lease=("both", n))
         rig.sweep()
@@ -248,9 +259,15 @@ def _batch(rig: Rig, reps: int, stamps: Stamps) -> dict[str, list[tuple[float, f
         _retrieve(rig, ("both", n))  # type: ignore[arg-type]
         t2 = time.perf_counter()
         handle.wait()
-        out["both: store"].append(((t1 - t0) * 1e6, (stamps.first(True) - t0) * 1e6, (stamps.last(True) - t0) * 1e6))
-        out["both: retrieve"].append(((t2 - t0) * 1e6, (stamps.first(False) - t0) * 1e6, (stamps.last(False) - t0) * 1e6))
+        out["both: store"].append(_row(stamps, True, t0, t1))
+        out["both: retrieve"].append(_row(stamps, False, t0, t2))
     return out
+
+
+def _row(stamps: Stamps, to_host: bool, t0: float, returned: float) -> tuple[float, float, float, float]:
+    """(call returned, first driver call entered, last one left, longest gap) in us from ``t0``."""
+    return ((returned - t0) * 1e6, (stamps.first(to_host) - t0) * 1e6, (stamps.last(to_host) - t0) * 1e6,
+            stamps.longest_gap(to_host) * 1e6)
 
 
 def _check_idle(engine: Any) -> None:
@@ -264,10 +281,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     shapes = [(m, int(t)) for m in args.models.split(",") for t in args.tokens_per_block.split(",")]
     paths = args.paths.split(",")
     report = Report(args, steps=len(shapes) * len(paths), name="bench bookkeeping",
-                    bars=Bars(("shape", "path", "op"), ("call us", "first copy us", "all issued us"), "us per call"))
+                    bars=Bars(("shape", "path", "op"), ("call us", "first copy us", "all issued us", "longest gap us"),
+                              "us per call"))
     report.note(f"kvdepot bench bookkeeping — host time per operation of {args.blocks} blocks, no copies (CPU), "
                 f"{args.reps} reps, medians in us from the call: 'call' until it returned, 'first copy' until the "
-                "first (stubbed) driver call, 'all issued' until the last one returned")
+                "first (stubbed) driver call, 'all issued' until the last one returned; 'longest gap': the longest time "
+                "between its driver calls with none in the driver (a store's hand-off to its issuer shows there)")
     report.table("", shape=16, path=11, op=14)
     for model, tpb in shapes:
         layers, heads, dim = MODELS[model]
@@ -276,17 +295,18 @@ def run(args: argparse.Namespace) -> list[dict]:
             profiler = cProfile.Profile() if args.profile else None
             with report.step(f"{shape} {path}"):
                 rows = _measure(path, (layers, heads, dim, tpb), args, profiler)
-            for op, call, first, issued in rows:
+            for op, call, first, issued, gap in rows:
                 report.add({"shape": shape, "path": path, "op": op, "call us": call, "first copy us": first,
-                            "all issued us": issued})
+                            "all issued us": issued, "longest gap us": gap})
             if profiler:
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return report.finish()
 
 
 def _measure(path: str, shape: tuple[int, int, int, int], args: argparse.Namespace,
-             profiler: cProfile.Profile | None) -> list[tuple[str, float, float, float]]:
-    """Rows (op, call us, first copy us, all issued us) of one path and shape (NaN: not a copy)."""
+             profiler: cProfile.Profile | None) -> list[tuple[str, float, float, float, float]]:
+    """Rows (op, call us, first copy us, all issued us, longest gap us) of one path and shape
+    (NaN: not a copy)."""
     from kvdepot.transfer.streams import CUDA, ImmediateStreams
 
     nan = float("nan")
@@ -295,7 +315,7 @@ def _measure(path: str, shape: tuple[int, int, int, int], args: argparse.Namespa
         with _profiling(profiler):
             times = _bookkeeping(rig, args.reps)
         _check_idle(rig.engine)
-        return [(op, statistics.median(values), nan, nan) for op, values in times.items()]
+        return [(op, statistics.median(values), nan, nan, nan) for op, values in times.items()]
     if path != "batch":
         raise SystemExit(f"unknown path {path!r}: expected bookkeeping or batch")
     from kvdepot.transfer import BatchBlockMover
@@ -308,7 +328,7 @@ def _measure(path: str, shape: tuple[int, int, int, int], args: argparse.Namespa
     with _profiling(profiler):
         samples = _batch(rig, args.reps, stamps)
     _check_idle(rig.engine)
-    return [(op, *(statistics.median(s[i] for s in values) for i in range(3))) for op, values in samples.items()]
+    return [(op, *(statistics.median(s[i] for s in values) for i in range(4))) for op, values in samples.items()]
 
 
 @contextlib.contextmanager
