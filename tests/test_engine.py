@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import pytest
 import torch
@@ -634,11 +635,16 @@ def test_cuda_store_is_issued_off_the_callers_thread_and_a_load_does_not_wait_fo
     engine = cuda_engine(rig, mover)
     first, first_ids = rig.tokens(64), [7, 2, 9, 4]
     mover.gate.set()
-    engine.store(engine.chunk_keys(first), first_ids).wait()
+    engine.store(engine.chunk_keys(first), first_ids).wait()  # maybe issued by this thread, waiting for it
     original = rig.rows()
     mover.gate.clear()
+    mover.threads.clear()
     second, second_ids = rig.tokens(64), [0, 11, 5, 3]
     handle = engine.store(engine.chunk_keys(second), second_ids)  # returns while its gather waits at the gate
+    deadline = time.monotonic() + 30
+    while not mover.threads:  # the issuer took it (else the wait below would: whoever waits first issues)
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     assert not handle.done() and engine.lookup(engine.chunk_keys(second)) == 0
     poison = rig.fill(first_ids)
     assert engine.lookup(engine.chunk_keys(first)) == 64 and engine.retrieve(engine.chunk_keys(first), first_ids) == 64

@@ -1,11 +1,14 @@
 """``kvdepot.transfer.inflight`` on the CPU: the engine's GPU paths (a store handed to the issuer
-thread, its head enqueued by the caller while the issuer wakes, a load on a side stream) run on
+thread, its head enqueued by the caller while the issuer wakes, the rest enqueued by a thread that
+waits for it before the issuer could, a load on a side stream) run on
 ``ImmediateStreams`` with the batch mover's driver played by ``pools.HostDriver``, so every byte a
 store or load moves is checked, and every lease, pin and transfer comes back to zero."""
 
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -38,6 +41,23 @@ def _engine(driver: HostDriver, head_blocks: float = 64, seed: int = 0):
     return engine, pool.view(torch.uint8).view(BLOCKS, -1)
 
 
+def _done(*handles) -> None:
+    """Wait for stores without ``wait``, which would enqueue what the issuer has not: the issuer's
+    own path, as in an engine whose step loop never waits for a store."""
+    deadline = time.monotonic() + 30
+    while not all(h.done() for h in handles):
+        assert time.monotonic() < deadline, "a store nobody waited for was never issued"
+        time.sleep(0.001)
+
+
+def _wait_within(handle, seconds: float = 30) -> None:
+    """``handle.wait()`` that fails the test instead of hanging it."""
+    waiter = threading.Thread(target=handle.wait, name="waiter", daemon=True)
+    waiter.start()
+    waiter.join(seconds)
+    assert not waiter.is_alive(), "wait() never returned: nobody enqueued the store"
+
+
 def _idle(engine: CacheEngine) -> None:
     engine.wait_all()
     stats = engine.stats()
@@ -45,10 +65,11 @@ def _idle(engine: CacheEngine) -> None:
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 2**16), head_blocks=st.sampled_from([0, 1, 3, 64]))
-def test_stores_through_the_issuer_and_loads_on_a_side_stream_are_bit_exact(seed, head_blocks):
-    """Random requests stored (the issuer, maybe the caller's head first), then loaded back into a
-    poisoned pool, whole or from a random first block: exactly the stored bytes, nowhere else."""
+@given(seed=st.integers(0, 2**16), head_blocks=st.sampled_from([0, 1, 3, 64]), waited=st.booleans())
+def test_stores_through_the_issuer_and_loads_on_a_side_stream_are_bit_exact(seed, head_blocks, waited):
+    """Random requests stored (the issuer, maybe the caller's head first, or with ``waited`` whoever
+    waits first), then loaded back into a poisoned pool, whole or from a random first block:
+    exactly the stored bytes, nowhere else."""
     driver = HostDriver()
     engine, rows = _engine(driver, head_blocks, seed)
     rng = random.Random(seed)
@@ -59,7 +80,7 @@ def test_stores_through_the_issuer_and_loads_on_a_side_stream_are_bit_exact(seed
         tokens = [rng.randrange(1000) for _ in range(len(ids) * TPB)]
         requests.append((engine.chunk_keys(tokens), ids, engine.store(engine.chunk_keys(tokens), ids)))
     for _keys, _ids, handle in requests:
-        handle.wait()
+        handle.wait() if waited else _done(handle)
     assert engine.stats().refused_batches == 0
     for keys, ids, _handle in requests:
         poison = random_bytes(rows.shape, torch.Generator().manual_seed(seed + 1))
@@ -71,7 +92,8 @@ def test_stores_through_the_issuer_and_loads_on_a_side_stream_are_bit_exact(seed
         assert torch.equal(rows, expect)
     _idle(engine)
     threads = {c["thread"] for c in driver.calls}
-    assert ISSUER in threads or head_blocks >= 2 * BPC  # a head this large may take a whole store
+    assert threads <= {"MainThread", ISSUER}
+    assert waited or ISSUER in threads or head_blocks >= 2 * BPC  # a head this large may take a whole store
     engine.close()
 
 
@@ -88,8 +110,7 @@ def test_an_idle_issuer_gets_the_store_after_the_callers_head_and_a_busy_one_get
     other = engine.store(second, [11, 0, 20, 6])  # the issuer is busy: nothing enqueued here
     assert len(driver.calls) == 2 and not handle.done() and not other.done()
     driver.gate.set()
-    handle.wait()
-    other.wait()
+    _done(handle, other)
     assert [c["thread"] for c in driver.calls[2:]] == [ISSUER] * (len(driver.calls) - 2)
     expected = rows[[3, 9, 4, 17, 11, 0, 20, 6]].clone()
     rows.zero_()
@@ -102,7 +123,7 @@ def test_an_idle_issuer_gets_the_store_after_the_callers_head_and_a_busy_one_get
 def test_without_a_head_the_issuer_enqueues_every_copy_of_a_store():
     driver = HostDriver()
     engine, _rows = _engine(driver, head_blocks=0)  # config store_head_mib 0
-    engine.store(engine.chunk_keys(list(range(16))), [3, 9, 4, 17]).wait()
+    _done(engine.store(engine.chunk_keys(list(range(16))), [3, 9, 4, 17]))
     assert driver.calls and {c["thread"] for c in driver.calls} == {ISSUER}
     _idle(engine)
     engine.close()
@@ -131,5 +152,82 @@ def test_a_store_that_cannot_be_enqueued_is_dropped_and_leaks_nothing(fail_call,
     _idle(engine)
     engine.store(keys, [3, 9, 4, 17]).wait()  # calls past the failing one go through
     assert engine.lookup(keys) == 16
+    _idle(engine)
+    engine.close()
+
+
+def _no_issuer(monkeypatch) -> None:
+    """An issuer that never wakes: only a waiter can enqueue what the caller handed over."""
+    monkeypatch.setattr("kvdepot.transfer.inflight.InflightTransfers._start_issuer", lambda self: None)
+
+
+@pytest.mark.parametrize("head_blocks", [0, 1])
+def test_a_waiter_enqueues_the_stores_the_issuer_has_not_started_oldest_first(monkeypatch, head_blocks):
+    """Waiting for the second of two stores enqueues both, in order, on the waiting thread (the
+    server waits for every store: a wake-up of the issuer would only idle the copy engines)."""
+    _no_issuer(monkeypatch)
+    driver = HostDriver()
+    engine, rows = _engine(driver, head_blocks=head_blocks)
+    first, second = engine.chunk_keys(list(range(16))), engine.chunk_keys(list(range(100, 116)))
+    one = engine.store(first, [3, 9, 4, 17])
+    two = engine.store(second, [11, 0, 20, 6])
+    before = len(driver.calls)  # the first store's head, if any (the second's issuer was busy: none)
+    assert before == head_blocks and not one.done() and not two.done()
+    _wait_within(two)
+    assert one.done() and [c["thread"] for c in driver.calls[before:]] == ["waiter"] * (len(driver.calls) - before)
+    pool_start = rows.data_ptr()
+    order = dict.fromkeys((src - pool_start) // rows.shape[1] for c in driver.calls for src in c["src"])
+    assert list(order) == [3, 9, 4, 17, 11, 0, 20, 6]  # one store, then the other
+    expected = rows[[3, 9, 4, 17, 11, 0, 20, 6]].clone()
+    rows.zero_()
+    assert engine.retrieve(first, [3, 9, 4, 17]) == 16 and engine.retrieve(second, [11, 0, 20, 6]) == 16
+    assert torch.equal(rows[[3, 9, 4, 17, 11, 0, 20, 6]], expected)
+    _idle(engine)
+    engine.close()
+
+
+def test_a_store_that_fails_on_its_waiter_is_dropped_and_the_waiter_carries_on(monkeypatch, caplog):
+    """The waiter's driver call fails: the store is dropped and logged as the issuer's would be,
+    ``wait`` returns (the step loop is not the place for a store's error), and nothing leaks."""
+    _no_issuer(monkeypatch)
+
+    class Broken(HostDriver):
+        def copy(self, copies, lo, hi, stream):
+            super().copy(copies, lo, hi, stream)
+            if len(self.calls) == 2:  # the first call is the caller's head, the second the waiter's
+                raise ValueError("no copy today")
+
+    driver = Broken()
+    engine, _rows = _engine(driver, head_blocks=1)
+    keys = engine.chunk_keys(list(range(16)))
+    with caplog.at_level("ERROR", logger="kvdepot"):
+        handle = engine.store(keys, [3, 9, 4, 17])
+        _wait_within(handle)
+    assert "could not be enqueued" in caplog.text and "no copy today" in caplog.text
+    assert [c["thread"] for c in driver.calls] == ["MainThread", "waiter"]
+    assert engine.lookup(keys) == 0 and engine.stats().host_chunks == 0
+    _idle(engine)
+    engine.close()
+
+
+def test_a_waiter_holding_the_engines_lock_enqueues_behind_a_busy_issuer():
+    """Re-registering the pool waits for every copy under the engine's lock. With the issuer
+    in the middle of one store and another handed over, the waiter must get the second once the
+    issuer is through, not deadlock on it: the issuer takes no lock of the engine's."""
+    driver = HostDriver(gate_call=2)  # the issuer's first call waits for the gate
+    engine, rows = _engine(driver, head_blocks=1)
+    first, second = engine.chunk_keys(list(range(16))), engine.chunk_keys(list(range(100, 116)))
+    engine.store(first, [3, 9, 4, 17])
+    assert driver.entered.wait(30)
+    engine.store(second, [11, 0, 20, 6])
+    pool = rows.view(torch.float16).view(BLOCKS, 2, 2, 16)
+    worker = threading.Thread(target=engine.register_pool, args=(pool,), daemon=True)
+    worker.start()
+    worker.join(0.2)
+    assert worker.is_alive()  # waiting, under the lock, for the issuer's store
+    driver.gate.set()
+    worker.join(30)
+    assert not worker.is_alive(), "re-registering deadlocked on a store handed to the issuer"
+    assert engine.lookup(first) == 16 and engine.lookup(second) == 16
     _idle(engine)
     engine.close()

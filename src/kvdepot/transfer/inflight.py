@@ -22,6 +22,12 @@ the store's first copies itself (``Move.head``, ``head_bytes``: ~14 MiB in three
 default, a quarter of a millisecond of copying at PCIe speed) and only then hands the store over,
 which wakes the issuer while the copy engines work on the head; the step loop spends the copy
 list and those few calls on it. A busy issuer gets the store whole (its stream is busy anyway).
+Whoever waits for a store issues what the issuer has not started (``wait_for`` / ``wait_all``): a
+thread that waits gains nothing from a wake-up it would sit through, and the server waits for every
+store before its reply (the client may then reuse the blocks), as does ``bench transfer``'s row
+(H200, run AN: the copy engines idle 150-160 us at a 256 KiB-block store's hand-off). Stores are
+issued one at a time, in order, by whichever thread holds ``_issuing``, so a stream's event still
+covers every store before it.
 A *load* is issued by the caller: its caller's stream must wait for it, and that wait has to be
 enqueued before ``load`` returns. A *layered* load is issued by whoever waits on it, a few layers
 at a time (``layered.py``); ``wait_for`` / ``wait_all`` enqueue what is left of any, so that
@@ -79,6 +85,17 @@ _ISSUED = _Flag(done=True)  # the ``issued`` of every transfer tracked only once
 
 
 @dataclass
+class _Queued:
+    """A store handed over: its transfer, what is left to enqueue, its stream, and the event on
+    the caller's stream it must follow (None: the caller already made the stream wait)."""
+
+    transfer: _Transfer
+    moves: tuple[Move, ...]
+    side: Any
+    ready: Any
+
+
+@dataclass
 class _Transfer:
     """One enqueued copy: finished once issued and its event has passed (or its issue failed)."""
 
@@ -113,9 +130,14 @@ class InflightTransfers:
         self.streams: tuple[Any, ...] | None = None  # None: CPU pool, copies run inline
         self.inflight: deque[_Transfer] = deque()
         self._tokens = itertools.count(1)
-        self._issues: queue.SimpleQueue[tuple[_Transfer, tuple[Move, ...], Any, Any] | None] = queue.SimpleQueue()
+        self._wake: queue.SimpleQueue[bool | None] = queue.SimpleQueue()  # one per store handed over; None: stop
         self._issuer: threading.Thread | None = None
-        self._queued = 0  # stores handed to the issuer and not yet issued (0: the issuer is idle)
+        # Lock order: the owner's lock, then ``_issuing``, then ``_handoff``; the issuer takes
+        # neither of the first two while it issues, so a waiter holding the owner's lock can issue.
+        self._issuing = threading.Lock()  # held by the one thread issuing handed-over stores
+        self._handoff = threading.Lock()  # guards ``_pending`` and ``_queued``; nothing is taken under it
+        self._pending: deque[_Queued] = deque()  # handed over, not yet taken by a thread to issue
+        self._queued = 0  # stores handed over and not yet issued (0: no copy of ours due on the store stream)
         self._layered: set[LayeredLoad] = set()  # layered loads not fully enqueued yet
 
     def attach(self, device: torch.device) -> None:
@@ -143,6 +165,7 @@ class InflightTransfers:
         with self._lock:
             transfer = _Transfer(next(self._tokens), on_done, on_fail)
             self.inflight.append(transfer)
+        with self._handoff:
             head = self.head_bytes > 0 and self._queued == 0  # idle: nothing of ours on ``side``
             self._queued += 1
         ready, started = None, False
@@ -163,8 +186,9 @@ class InflightTransfers:
                 transfer.failed = True
                 transfer.event = self._after_enqueued(side)
             transfer.issued.set()
-            with self._lock:
+            with self._handoff:
                 self._queued -= 1
+            with self._lock:
                 if not started:  # nothing enqueued: take the store back
                     self.inflight.remove(transfer)
                     transfer.on_fail()
@@ -174,7 +198,9 @@ class InflightTransfers:
                 move.head(self.head_bytes - lead_bytes)  # never raises: ``rest`` does, on the issuer
         moves = (move,) if started or lead is None else (lead, move)
         self._start_issuer()
-        self._issues.put((transfer, moves, side, ready))  # wakes the issuer (after the head: no GIL ping-pong)
+        with self._handoff:
+            self._pending.append(_Queued(transfer, moves, side, ready))
+        self._wake.put(True)  # wakes the issuer (after the head: no GIL ping-pong)
         return transfer.token
 
     def load(self, copy: Callable[[], None], on_done: Callable[[], None], stream: Any, *,
@@ -296,25 +322,27 @@ class InflightTransfers:
             return not any(t.token == token for t in self.inflight)
 
     def wait_for(self, token: int) -> None:
+        """Block until transfer ``token`` has completed, and with it every one before it (they
+        complete in order): what nobody has enqueued yet is enqueued by this thread."""
         self._finish_layered()  # transfers complete in order: one may sit behind a layered load
-        while True:
-            with self._lock:
-                pending = next((t for t in self.inflight if t.token == token), None)
-            if pending is None:
-                return
-            pending.synchronize()
-            with self._lock:
-                self.poll_locked()
+        self._issue_queued(token)
+        self._wait_until(lambda: all(t.token != token for t in self.inflight))
 
     def wait_all(self) -> None:
         self._finish_layered()
+        self._issue_queued(None)
+        self._wait_until(lambda: not self.inflight)
+
+    def _wait_until(self, done: Callable[[], bool]) -> None:
+        """Synchronize the oldest transfer in turn until ``done()`` (read under the lock): the
+        oldest is what completion waits on, whichever stream a later one ran on."""
         while True:
             with self._lock:
-                if not self.inflight:
+                self.poll_locked()
+                if done():
                     return
                 head = self.inflight[0]
             head.synchronize()  # outside the lock: the issuer may still be enqueuing it
-            self.poll()
 
     def close(self) -> None:
         """Complete everything in flight and stop the issuer thread."""
@@ -322,7 +350,7 @@ class InflightTransfers:
         with self._lock:
             issuer, self._issuer = self._issuer, None
         if issuer is not None:
-            self._issues.put(None)
+            self._wake.put(None)
             issuer.join()
 
     # ---- the store issuer ----------------------------------------------------------------------
@@ -333,25 +361,45 @@ class InflightTransfers:
                 self._issuer.start()
 
     def _issue_stores(self) -> None:
-        while (item := self._issues.get()) is not None:
-            transfer, moves, side, ready = item
-            try:
-                with self.kit.use(side):
-                    if ready is not None:
-                        side.wait_event(ready)
-                    for move in moves:
-                        move.rest()
-                    transfer.event = side.record_event()
-            except BaseException:  # never commit slots whose copies were not all enqueued
-                logger.exception("kvdepot: a store's copies could not be enqueued; its chunks are dropped")
-                transfer.failed = True
-                transfer.event = self._after_enqueued(side)
-            finally:
-                # ``issued`` first: a thread that waits for this store may hold the owner's lock
-                # (re-registering a pool waits for every copy under it), and would wait forever.
-                transfer.issued.set()
-                with self._lock:
-                    self._queued -= 1
+        while self._wake.get() is not None:
+            self._issue_queued(None, one=True)  # nothing where a waiter took it first
+
+    def _issue_queued(self, token: int | None, *, one: bool = False) -> None:
+        """Enqueue handed-over stores, oldest first, through the one of transfer ``token`` (None:
+        all of them, or with ``one`` just the oldest), unless another thread took it already."""
+        with self._issuing:
+            while True:
+                with self._handoff:
+                    if not self._pending or (token is not None and all(q.transfer.token != token for q in self._pending)):
+                        return
+                    item = self._pending.popleft()
+                self._issue(item)
+                if one or item.transfer.token == token:
+                    return
+
+    def _issue(self, item: _Queued) -> None:
+        """Enqueue the rest of one store and record its event; never raises (a failed store is
+        dropped: ``on_fail`` once whatever it did enqueue has run)."""
+        transfer, side = item.transfer, item.side
+        try:
+            with self.kit.use(side):
+                if item.ready is not None:
+                    side.wait_event(item.ready)
+                for move in item.moves:
+                    move.rest()
+                transfer.event = side.record_event()
+        except BaseException as exc:  # never commit slots whose copies were not all enqueued
+            logger.exception("kvdepot: a store's copies could not be enqueued; its chunks are dropped")
+            transfer.failed = True
+            transfer.event = self._after_enqueued(side)
+            if not isinstance(exc, Exception):  # an interrupt of a waiting thread reaches it
+                raise
+        finally:
+            # ``issued`` first: a thread that waits for this store may hold the owner's lock
+            # (re-registering a pool waits for every copy under it); nothing here takes that lock.
+            transfer.issued.set()
+            with self._handoff:
+                self._queued -= 1
 
     def _after_enqueued(self, side: Any) -> Any:
         """An event after whatever a failed store did enqueue, so that its slots are freed only
