@@ -131,3 +131,41 @@ def test_an_io_error_in_a_middle_piece_is_a_counted_error_and_waits_for_the_rest
     assert slow.started == slow.finished > 3  # the pieces around the bad one, all ended
     stats = tier.stats()
     assert stats.errors == 1 and stats.corrupt == 0
+
+
+def test_closing_the_tier_under_a_long_read_waits_for_it(
+    tier: DiskTier, slow: _SlowReads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The read hands its later pieces to the reader threads as the earlier ones land: a close
+    that shut them under it made that read raise. Close now waits for the read, which returns the
+    chunk whole, and no reader thread outlives it; the tier reads again after (new threads)."""
+    key = ChunkKey(bytes(16))
+    assert tier.put(key, _payload(5))
+
+    reading = threading.Event()
+
+    def all_slow(call, fd, parts, offset, want):  # the first piece too: close comes before any lands
+        if call is os.preadv:
+            reading.set()
+            time.sleep(0.05)
+        return slow(call, fd, parts, offset, want)
+
+    monkeypatch.setattr(disk_io, "_transfer", all_slow)
+    results: list[object] = []
+
+    def read() -> None:
+        out = _buffer()
+        try:
+            results.append(out.tobytes() if tier.get_into(key, out) == N else None)
+        except BaseException as exc:  # the test's verdict: nothing may escape the read
+            results.append(exc)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert reading.wait(10)  # the first pieces are in flight
+    tier.close()
+    reader.join(10)
+    assert results == [_payload(5)]
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvdepot-disk-")]
+    out = _buffer()
+    assert tier.get_into(key, out) == N and out == _payload(5)

@@ -26,9 +26,9 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 
 import numpy as np
 
@@ -132,10 +132,28 @@ class ObjectFiles:
         self._lock = threading.Lock()
         self._helpers: ThreadPoolExecutor | None = None  # checksums that overlap writes and reads
         self._readers: ThreadPoolExecutor | None = None  # the pieces of long reads
+        self._calls = 0  # reads and writes in progress: ``close`` waits for them
+        self._quiet = threading.Condition(self._lock)
+
+    @contextmanager
+    def _busy(self) -> Iterator[None]:
+        """A read or write in progress: it may hand work to the pools until it returns."""
+        with self._lock:
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._calls -= 1
+                if not self._calls:
+                    self._quiet.notify_all()
 
     def close(self) -> None:
-        """Stop the checksum helpers and readers (after the calls in flight); drop this thread's buffers."""
+        """Stop the checksum helpers and readers once the calls in progress have returned (a long
+        read hands its later pieces to the readers as earlier ones land: shut under it, the pool
+        would refuse them); drop this thread's buffers. A later call starts new pools."""
         with self._lock:
+            self._quiet.wait_for(lambda: not self._calls)
             pools, self._helpers, self._readers = (self._helpers, self._readers), None, None
         for pool in pools:
             if pool is not None:
@@ -178,6 +196,10 @@ class ObjectFiles:
     def write(self, tmp: str, key: ChunkKey, data: memoryview) -> None:
         """Write ``key``'s object to the new file ``tmp`` (fsynced when asked); OSError on failure,
         with ``tmp`` removed. O_DIRECT refused by the filesystem falls back to buffered I/O."""
+        with self._busy():
+            self._write(tmp, key, data)
+
+    def _write(self, tmp: str, key: ChunkKey, data: memoryview) -> None:
         try:
             try:
                 self._write_file(tmp, key, data, self.o_direct)
@@ -297,6 +319,10 @@ class ObjectFiles:
         (None, ``CORRUPT`` | ``GONE`` | ``ERROR``: unreadable). ValueError if a valid object does
         not fit in ``out``. ``fd``: the object as ``open`` found it (read instead of ``path``, and
         closed here)."""
+        with self._busy():
+            return self._read(path, key, out, fd)
+
+    def _read(self, path: str, key: ChunkKey, out: memoryview | None, fd: int | None) -> tuple[memoryview | None, str | None]:
         direct = self.o_direct
         if fd is None:
             try:
