@@ -75,8 +75,10 @@ from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --dis
       { python3 -m kvdepot.cli bench firsthit --length 4096 --hits 4
         CUDA_MODULE_LOADING=EAGER python3 -m kvdepot.cli bench firsthit --length 4096 --hits 4 --warmup off
       } 2>&1 | tee "$OUT/firsthit19.txt" | grep -E "^(on|off) " ;;
-    ab19) # 256-block operations per shape, an older tree (OLD_SRC: a copy of its src/) and this one, old new new old
-      for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "--layers 16 --head-dim 64 --tokens-per-block 8"; do
+    ab19) # 256-block operations per shape, an older tree (OLD_SRC: a copy of its src/, e.g. `git archive REV src |
+          # tar -x -C .old19`, carried) and this one, old new new old; AB_SHAPES: the shapes, ';'-separated
+      IFS=';' read -ra shapes <<< "${AB_SHAPES:-;--tokens-per-block 8;--layers 16 --head-dim 64;--layers 16 --head-dim 64 --tokens-per-block 8}"
+      for shape in "${shapes[@]}"; do
         for tree in "${OLD_SRC:?set OLD_SRC to the src dir of an older tree}" src src "$OLD_SRC"; do
           echo "## $tree $shape"
           PYTHONPATH=/tmp/site:$tree python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 $shape 2>&1 | grep -E "^batch"
