@@ -231,3 +231,56 @@ def test_a_waiter_holding_the_engines_lock_enqueues_behind_a_busy_issuer():
     assert engine.lookup(first) == 16 and engine.lookup(second) == 16
     _idle(engine)
     engine.close()
+
+
+def test_stores_from_several_threads_each_waited_for_are_each_enqueued_once():
+    """Threads store and wait at once, while the issuer takes what it can: every store's copies
+    are enqueued exactly once (the bytes moved add up to the stores' bytes, no more), every chunk
+    lands, and nothing is left in flight."""
+
+    class Slow(HostDriver):  # calls that take a while: two threads would both see a store not yet taken
+        def copy(self, copies, lo, hi, stream):
+            time.sleep(0.002)
+            super().copy(copies, lo, hi, stream)
+
+    driver = Slow()
+    engine, rows = _engine(driver, head_blocks=1)
+    per_block, rounds = rows.shape[1], 10
+    blocks = random.Random(7).sample(range(BLOCKS), BLOCKS)
+    mine = [blocks[t * 8 : (t + 1) * 8] for t in range(3)]  # each thread's blocks: disjoint
+
+    def request(t: int, r: int, s: int) -> tuple[list[int], list[int]]:
+        """Thread ``t``'s store ``s`` of round ``r``: fresh tokens each time, so each one copies."""
+        first = 10_000 * t + 100 * (2 * r + s)
+        return list(range(first, first + 16)), mine[t][4 * s : 4 * s + 4]
+
+    errors: list[BaseException] = []
+    start = threading.Barrier(3)
+
+    def run(t: int) -> None:
+        try:
+            start.wait()
+            for r in range(rounds):
+                handles = [engine.store(engine.chunk_keys(tokens), ids) for tokens, ids in (request(t, r, 0), request(t, r, 1))]
+                handles[-1].wait()  # the older one too: transfers complete in order
+                assert all(h.done() and h.chunks == 2 for h in handles)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert driver.bytes_moved() == 3 * rounds * 2 * 4 * per_block  # each store's blocks copied once
+    assert {c["thread"] for c in driver.calls} <= {ISSUER, *(t.name for t in threads)}
+    expected = rows.clone()
+    rows.zero_()
+    for t in range(3):
+        for s in range(2):
+            tokens, ids = request(t, rounds - 1, s)
+            assert engine.retrieve(engine.chunk_keys(tokens), ids) == 16
+    assert torch.equal(rows, expected)
+    _idle(engine)
+    engine.close()
