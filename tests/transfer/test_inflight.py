@@ -41,6 +41,19 @@ def _engine(driver: HostDriver, head_blocks: float = 64, seed: int = 0):
     return engine, pool.view(torch.uint8).view(BLOCKS, -1)
 
 
+class _Failing(HostDriver):
+    """Driver call number ``fail_call`` copies, then raises (an error after part of a store went)."""
+
+    def __init__(self, fail_call: int) -> None:
+        super().__init__()
+        self.fail_call = fail_call
+
+    def copy(self, copies, lo, hi, stream):
+        super().copy(copies, lo, hi, stream)
+        if len(self.calls) == self.fail_call:
+            raise ValueError("no copy today")
+
+
 def _done(*handles) -> None:
     """Wait for stores without ``wait``, which would enqueue what the issuer has not: the issuer's
     own path, as in an engine whose step loop never waits for a store."""
@@ -135,13 +148,7 @@ def test_a_store_that_cannot_be_enqueued_is_dropped_and_leaks_nothing(fail_call,
     drops the store: nothing raised to the engine's step loop, the chunks never visible, every
     slot back, and the next store fine."""
 
-    class Broken(HostDriver):
-        def copy(self, copies, lo, hi, stream):
-            super().copy(copies, lo, hi, stream)
-            if len(self.calls) == fail_call:
-                raise ValueError("no copy today")
-
-    driver = Broken()
+    driver = _Failing(fail_call)
     engine, _rows = _engine(driver, head_blocks=1)
     keys = engine.chunk_keys(list(range(16)))
     with caplog.at_level("ERROR", logger="kvdepot"):
@@ -190,14 +197,7 @@ def test_a_store_that_fails_on_its_waiter_is_dropped_and_the_waiter_carries_on(m
     """The waiter's driver call fails: the store is dropped and logged as the issuer's would be,
     ``wait`` returns (the step loop is not the place for a store's error), and nothing leaks."""
     _no_issuer(monkeypatch)
-
-    class Broken(HostDriver):
-        def copy(self, copies, lo, hi, stream):
-            super().copy(copies, lo, hi, stream)
-            if len(self.calls) == 2:  # the first call is the caller's head, the second the waiter's
-                raise ValueError("no copy today")
-
-    driver = Broken()
+    driver = _Failing(2)  # the first call is the caller's head, the second the waiter's
     engine, _rows = _engine(driver, head_blocks=1)
     keys = engine.chunk_keys(list(range(16)))
     with caplog.at_level("ERROR", logger="kvdepot"):
