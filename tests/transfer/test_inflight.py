@@ -54,6 +54,17 @@ class _Failing(HostDriver):
             raise ValueError("no copy today")
 
 
+def _both_load_back(engine: CacheEngine, rows, first, second) -> None:
+    """The two stores of blocks [3, 9, 4, 17] and [11, 0, 20, 6] load back into a zeroed pool as
+    stored; then nothing is left in flight, and the engine closes."""
+    expected = rows[[3, 9, 4, 17, 11, 0, 20, 6]].clone()
+    rows.zero_()
+    assert engine.retrieve(first, [3, 9, 4, 17]) == 16 and engine.retrieve(second, [11, 0, 20, 6]) == 16
+    assert torch.equal(rows[[3, 9, 4, 17, 11, 0, 20, 6]], expected)
+    _idle(engine)
+    engine.close()
+
+
 def _done(*handles) -> None:
     """Wait for stores without ``wait``, which would enqueue what the issuer has not: the issuer's
     own path, as in an engine whose step loop never waits for a store."""
@@ -125,12 +136,7 @@ def test_an_idle_issuer_gets_the_store_after_the_callers_head_and_a_busy_one_get
     driver.gate.set()
     _done(handle, other)
     assert [c["thread"] for c in driver.calls[2:]] == [ISSUER] * (len(driver.calls) - 2)
-    expected = rows[[3, 9, 4, 17, 11, 0, 20, 6]].clone()
-    rows.zero_()
-    assert engine.retrieve(first, [3, 9, 4, 17]) == 16 and engine.retrieve(second, [11, 0, 20, 6]) == 16
-    assert torch.equal(rows[[3, 9, 4, 17, 11, 0, 20, 6]], expected)
-    _idle(engine)
-    engine.close()
+    _both_load_back(engine, rows, first, second)
 
 
 def test_without_a_head_the_issuer_enqueues_every_copy_of_a_store():
@@ -185,12 +191,7 @@ def test_a_waiter_enqueues_the_stores_the_issuer_has_not_started_oldest_first(mo
     pool_start = rows.data_ptr()
     order = dict.fromkeys((src - pool_start) // rows.shape[1] for c in driver.calls for src in c["src"])
     assert list(order) == [3, 9, 4, 17, 11, 0, 20, 6]  # one store, then the other
-    expected = rows[[3, 9, 4, 17, 11, 0, 20, 6]].clone()
-    rows.zero_()
-    assert engine.retrieve(first, [3, 9, 4, 17]) == 16 and engine.retrieve(second, [11, 0, 20, 6]) == 16
-    assert torch.equal(rows[[3, 9, 4, 17, 11, 0, 20, 6]], expected)
-    _idle(engine)
-    engine.close()
+    _both_load_back(engine, rows, first, second)
 
 
 def test_a_store_that_fails_on_its_waiter_is_dropped_and_the_waiter_carries_on(monkeypatch, caplog):
