@@ -378,8 +378,9 @@ class InflightTransfers:
                     return
 
     def _issue(self, item: _Queued) -> None:
-        """Enqueue the rest of one store and record its event; never raises (a failed store is
-        dropped: ``on_fail`` once whatever it did enqueue has run)."""
+        """Enqueue the rest of one store and record its event. An error is logged, not raised (the
+        store is dropped: ``on_fail`` once whatever it did enqueue has run); only an interrupt of
+        the thread (a waiter's ``KeyboardInterrupt``) goes on up, after the same."""
         transfer, side = item.transfer, item.side
         try:
             with self.kit.use(side):
