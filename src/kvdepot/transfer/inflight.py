@@ -396,8 +396,8 @@ class InflightTransfers:
             if not isinstance(exc, Exception):  # an interrupt of a waiting thread reaches it
                 raise
         finally:
-            # ``issued`` first: a thread that waits for this store may hold the owner's lock
-            # (re-registering a pool waits for every copy under it); nothing here takes that lock.
+            # Nothing here takes the owner's lock: a thread that waits for this store may hold it
+            # (re-registering a pool waits for every copy under it).
             transfer.issued.set()
             with self._handoff:
                 self._queued -= 1
