@@ -52,14 +52,11 @@ import logging
 import mmap
 import os
 import platform
-import secrets
-import stat
-import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 
-from kvdepot.errors import KVDepotError
+from kvdepot.server import shared_file
 from kvdepot.server.protocol import CudaIpcPool, PoolDesc
 
 logger = logging.getLogger("kvdepot")
@@ -76,7 +73,7 @@ PAGE_SUPPORTED = platform.machine().lower() in ("x86_64", "amd64")
 PREFIX = "kvdepot-progress-"  # a page's file name starts so; the server maps no other
 
 
-class PageError(KVDepotError):
+class PageError(shared_file.SharedFileError):
     """A progress page could not be made or mapped (the load then goes by LAYERS)."""
 
 
@@ -105,10 +102,6 @@ def decode(word: int, load_id: int, layers: int) -> Seen | None:
     return Seen(recorded, (word >> 11) & 3, bool(word >> 13 & 1))
 
 
-def _directory() -> str:
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-
-
 class ProgressPage:
     """One registration's page; ``read`` and ``write`` take no lock (see the module docstring)."""
 
@@ -120,13 +113,8 @@ class ProgressPage:
     @classmethod
     def create(cls) -> ProgressPage:
         """A zeroed page in a new file (the client's); the caller unlinks it after REGISTER."""
-        path = os.path.join(_directory(), f"{PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+        path, fd = shared_file.create(PREFIX, PAGE_BYTES, PageError)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise PageError(f"cannot create a progress page in {os.path.dirname(path)}: {exc.strerror}") from None
-        try:
-            os.ftruncate(fd, PAGE_BYTES)
             memory = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ)
         except OSError as exc:
             os.unlink(path)
@@ -140,17 +128,8 @@ class ProgressPage:
         """The client's page, mapped for writing once checked through the descriptor it maps: a
         fresh page only (its name, size and zeros), so a REGISTER cannot make the server write
         into some other file of its user."""
-        if not os.path.basename(path).startswith(PREFIX):
-            raise PageError(f"progress page {path[:256]!r} is not named {PREFIX}*")
+        fd = shared_file.open_checked(path, PREFIX, PAGE_BYTES, PageError)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError as exc:
-            raise PageError(f"cannot open progress page {path[:256]!r}: {exc.strerror}") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size != PAGE_BYTES:
-                raise PageError(f"progress page {path[:256]!r} must be a regular file of the server's user, "
-                                f"{PAGE_BYTES} bytes long")
             memory = mmap.mmap(fd, PAGE_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
             raise PageError(f"cannot map progress page {path[:256]!r}: {exc}") from None
