@@ -245,8 +245,9 @@ class DepotService:
         early: list[tuple[int, int]] = []  # (load id, layers recorded) of a load answered early
         try:
             keys = self._check_copy(msg.keys, msg.block_ids)
-            if msg.skip_blocks < 0 or (msg.num_blocks is not None and msg.num_blocks < 0):
-                raise ProtocolError(ErrorCode.BAD_REQUEST, f"skip_blocks {msg.skip_blocks} / num_blocks {msg.num_blocks} < 0")
+            if not 0 <= msg.skip_blocks <= p.MAX_BLOCKS or not 0 <= (msg.num_blocks or 0) <= p.MAX_BLOCKS:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, f"skip_blocks {msg.skip_blocks} / num_blocks {msg.num_blocks} "
+                                    f"not in 0..{p.MAX_BLOCKS}")
             lease = self._lease(session, msg)
             B = reg.layout.tokens_per_block
             if reg.pool.tensor is None:
