@@ -7,6 +7,8 @@
 
 A handle never raises: a refused or failed copy is logged and reads as its fallback (nothing
 stored, nothing loaded beyond ``skip_blocks``), which the engine's callers treat as a miss.
+A mapped-pool copy carries its ``copy_fence`` ticket: a copy given up on without a reply is not
+done until the server has let go of its blocks (``done`` polls for that, ``wait`` waits).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from kvdepot.engine_api import Lease
 from kvdepot.errors import KVDepotError
 from kvdepot.server.calls import ServerError
+from kvdepot.server.copy_fence import Ticket
 from kvdepot.server.ipc import frame_tensor
 from kvdepot.transfer.layered import LayerWaits
 
@@ -33,9 +36,11 @@ AnyLease = Lease | int | tuple[int, int] | tuple[int, int, bytes]  # the older f
 class CopyHandle:
     """A copy in flight: ``done()`` once the server answered (or the call failed)."""
 
-    def __init__(self, future: Future | None, finish: Callable[[Any], int] | None = None, fallback: int = 0) -> None:
+    def __init__(self, future: Future | None, finish: Callable[[Any], int] | None = None, fallback: int = 0,
+                 ticket: Ticket | None = None) -> None:
         self._future, self._finish, self._value = future, finish, fallback
         self._settled = future is None
+        self.ticket = ticket
         self.layered: LayerWaits | None = None  # a load the server answered by layer: wait on it per layer
 
     def done(self) -> bool:
@@ -44,6 +49,9 @@ class CopyHandle:
         assert self._future is not None
         if not self._future.done():
             return False
+        unanswered = self._unanswered()
+        if unanswered and self.ticket is not None and not self.ticket.abandon(wait=False):
+            return False  # the server is still inside the copy
         self._settled = True
         try:
             result = self._future.result()
@@ -54,13 +62,28 @@ class CopyHandle:
             pass  # unavailable: logged once by the client
         except (IndexError, ValueError, RuntimeError, TypeError) as exc:  # a reply that does not fit
             logger.warning("kvdepot: copy reply could not be applied: %s", exc)
+        if not unanswered and self.ticket is not None:
+            self.ticket.settle()  # a reply comes after the server let go of the blocks
         return True
 
     def wait(self) -> None:
         if self._future is not None:
             with contextlib.suppress(KVDepotError):
                 self._future.result()
+            if self.ticket is not None and not self._settled and self._unanswered():
+                self.ticket.abandon(wait=True)
         self.done()
+
+    def keep_ticket(self) -> Ticket | None:
+        """Hand the ticket to whoever follows the copy past its reply (a load answered early)."""
+        ticket, self.ticket = self.ticket, None
+        return ticket
+
+    def _unanswered(self) -> bool:
+        """The call ended without the server's answer (timed out, or the server went away)."""
+        assert self._future is not None
+        error = self._future.exception()
+        return error is not None and not isinstance(error, ServerError)
 
     def result(self) -> int:
         self.wait()

@@ -32,16 +32,18 @@ import mmap
 import os
 import stat
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvdepot.errors import KVDepotError
+from kvdepot.server.copy_fence import OPEN, Admission, ServedFence, Ticket, serve_fence
 from kvdepot.server.layer_follow import FencedFailure
 from kvdepot.server.progress_page import ProgressPage, serve_page
 from kvdepot.server.protocol import BytesPool, CudaIpcPool, PoolDesc, ShmPool
-from kvdepot.transfer.layered import LayerWaits
+from kvdepot.transfer.layered import LayerWaits, TransferFailed
 
 logger = logging.getLogger("kvdepot")
 
@@ -115,10 +117,12 @@ class ExportedPool:
         """Whether the server can signal a load layer by layer (a CUDA pool with layer events)."""
         return bool(self._layer_events)
 
-    def layered_load(self, progress: Callable[[int], None] | None = None, ready: int | None = None) -> ServerLayeredLoad:
+    def layered_load(self, progress: Callable[[int], None] | None = None, ready: int | None = None,
+                     ticket: Ticket | None = None) -> ServerLayeredLoad:
         """The waits of a load the server answered ``by_layer``: its layer events are recorded, or,
-        with ``progress``, layers ``0..ready-1`` are, and layer ``l`` is once ``progress(l)`` returns."""
-        return ServerLayeredLoad(self._layer_events, self.pool.device, progress, ready)
+        with ``progress``, layers ``0..ready-1`` are, and layer ``l`` is once ``progress(l)`` returns.
+        ``ticket``: the load's fence ticket, where the server copies on after its reply."""
+        return ServerLayeredLoad(self._layer_events, self.pool.device, progress, ready, ticket)
 
     def before_copy(self, stream: Any) -> bool:
         """Record ``to_server`` on the caller's stream: the server's copy starts after it."""
@@ -135,6 +139,15 @@ class ExportedPool:
             ptr = _stream_ptr(stream, self.pool.device)
             _check(runtime.cudaStreamWaitEvent(ptr, self._events[1], 0), "cudaStreamWaitEvent")
 
+    def after_abandoned_load(self, stream: Any) -> None:
+        """A load given up on, once the server let go of it (``copy_fence``): make ``stream``
+        wait on every event the server may have recorded after that load's copies."""
+        self.after_load(stream)
+        if self._layer_events:
+            runtime, _ = _cuda()
+            ptr = _stream_ptr(stream, self.pool.device)
+            _check(runtime.cudaStreamWaitEvent(ptr, self._layer_events[-1], 0), "cudaStreamWaitEvent")
+
     def close(self) -> None:
         if self._events is not None:
             runtime, _ = _cuda()
@@ -150,20 +163,38 @@ class ServerLayeredLoad(LayerWaits):
     never will be — so a wait never meets an event not yet recorded for this load."""
 
     def __init__(self, events: Sequence[Any], device: torch.device,
-                 progress: Callable[[int], None] | None = None, ready: int | None = None) -> None:
+                 progress: Callable[[int], None] | None = None, ready: int | None = None,
+                 ticket: Ticket | None = None) -> None:
         super().__init__(len(events))
         self._events, self._device, self._progress = events, device, progress
         self.ready_at_reply = len(events) if ready is None else ready  # layers recorded when the reply came
+        self._ticket = ticket  # the load's fence ticket while the server may still copy
+        if ticket is not None:
+            weakref.finalize(self, ticket.settle)  # a load dropped unfinished frees its slot
 
     def _wait(self, layer: int, stream: Any) -> None:
         if self._progress is not None:
             try:
                 self._progress(layer)
             except FencedFailure:  # the last event follows every copy that went: none lands later
-                with contextlib.suppress(IpcError):
-                    self._wait_event(self.num_layers - 1, stream)
+                self._fenced(stream)
                 raise
+            except TransferFailed as exc:  # nothing says where the server is: let go of it first
+                ticket, self._ticket = self._ticket, None
+                if ticket is None or not ticket.abandon(wait=True):
+                    raise
+                self._fenced(stream)
+                raise FencedFailure(f"{exc} (the server has let go of the load since)") from exc
         self._wait_event(layer, stream)
+        if layer == self.num_layers - 1 and self._ticket is not None:
+            self._ticket.settle()  # every layer recorded: the server's copies are all enqueued
+
+    def _fenced(self, stream: Any) -> None:
+        """Wait on the last layer's event, recorded after every copy of the load that went."""
+        with contextlib.suppress(IpcError):
+            self._wait_event(self.num_layers - 1, stream)
+        if self._ticket is not None:
+            self._ticket.settle()
 
     def _wait_event(self, layer: int, stream: Any) -> None:
         runtime, _ = _cuda()
@@ -250,7 +281,14 @@ class MappedPool:
         self.file = file  # a shared file's (path, st_dev, st_ino), as mapped
         self.layer_events = list(layer_events)  # the client's, one per layer (empty: no loads by layer)
         self.progress: ProgressPage | None = None  # where loads by layer publish their progress
+        self.fence: ServedFence | None = None  # where the client abandons copies (``copy_fence``)
         self.stream = torch.cuda.Stream(tensor.device) if tensor is not None and tensor.is_cuda else None
+
+    def admit(self, ticket: int, deadline_ns: int) -> Admission:
+        """What a copy into or out of this pool enters right before it starts (``copy_fence``)."""
+        if self.tensor is None:
+            return OPEN
+        return self.fence.admit(ticket, deadline_ns) if self.fence is not None else Admission(None, 0, deadline_ns)
 
     def wait_client(self, synced: bool) -> None:
         """Order the server's next copy after the client's ``to_server`` record."""
@@ -298,6 +336,8 @@ class MappedPool:
         self.tensor, self.stream = None, None
         if self.progress is not None:
             self.progress.close()
+        if self.fence is not None:
+            self.fence.close()
         closer, self._closer = self._closer, None
         if closer is not None:
             closer()
@@ -313,9 +353,11 @@ def open_pool(desc: PoolDesc, shape: tuple[int, ...], dtype: torch.dtype, *, all
         if not allow_shm:
             raise IpcError("shared-file pools are accepted on ipc:// servers only (use bytes over TCP)")
         flat, file = _map_shm(desc, nbytes)
-        return MappedPool("shm", flat[desc.offset : desc.offset + nbytes].view(dtype).view(shape), file=file)
-    pool = _map_cuda(desc, nbytes, shape, dtype)
-    pool.progress = serve_page(desc, allow_shm)
+        pool = MappedPool("shm", flat[desc.offset : desc.offset + nbytes].view(dtype).view(shape), file=file)
+    else:
+        pool = _map_cuda(desc, nbytes, shape, dtype)
+        pool.progress = serve_page(desc, allow_shm)
+    pool.fence = serve_fence(desc, allow_shm)
     return pool
 
 

@@ -129,6 +129,8 @@ class CudaIpcPool(msgspec.Struct, frozen=True, tag="cuda"):
     to_client_event: bytes = b""  # ... the server records after each load
     layer_events: tuple[bytes, ...] = ()  # ... one per layer, recorded after that layer of a load by layer
     progress_page: str = ""  # a file the server maps to publish loads' recorded layers (``progress_page``)
+    fence: str = ""  # a file the server locks a copy's slot of while it copies (``copy_fence``)
+    fence_epoch: int = 0  # the high bits of every ticket of that fence
 
 
 class ShmPool(msgspec.Struct, frozen=True, tag="shm"):
@@ -136,6 +138,8 @@ class ShmPool(msgspec.Struct, frozen=True, tag="shm"):
 
     path: str
     offset: int = 0
+    fence: str = ""  # as CudaIpcPool's
+    fence_epoch: int = 0
 
 
 class BytesPool(msgspec.Struct, frozen=True, tag="bytes"):
@@ -172,6 +176,7 @@ class RegisterReply(msgspec.Struct, frozen=True):
     group: str
     wants_tokens: bool = False  # the server publishes KV events: send a lookup's tokens beside its keys
     progress_page: bool = False  # the server mapped the REGISTER's progress page and writes it
+    fence: bool = False  # the server opened the REGISTER's fence: copies may carry tickets
 
 
 # ---- hot path -----------------------------------------------------------------------------------
@@ -198,6 +203,7 @@ class Store(msgspec.Struct, **_HOT):
     block_ids: list[int]
     deadline_ns: int = 0  # CLOCK_MONOTONIC; a mapped-pool copy must not start after it
     synced: bool = False  # the client recorded its to_server_event before sending
+    ticket: int = 0  # the copy's number in the registration's fence (0: none), ``copy_fence``
 
 
 class StoreReply(msgspec.Struct, **_HOT):
@@ -216,6 +222,7 @@ class Retrieve(msgspec.Struct, **_HOT):
     by_layer: bool = False  # copy layer by layer and record the pool's layer events (CUDA IPC pools)
     lease_token: bytes = b""  # lease_session's token (its LOOKUP replies carry it); needed unless it is this session
     early: bool = False  # by_layer: the client asks LAYERS, so the server may reply before every layer is recorded
+    ticket: int = 0  # as Store's
 
 
 class RetrieveReply(msgspec.Struct, **_HOT):

@@ -44,7 +44,8 @@ else by LAYERS.
 A store's reply arrives once the copy has *completed*, and only then is the store done, so
 blocks handed back to the engine are never read by the server afterwards. Mapped-pool copies
 carry a deadline at half the call timeout: the server refuses to start a copy the client may
-have stopped waiting for.
+have stopped waiting for. They also carry a ticket of the registration's ``copy_fence``: a copy
+that times out is not over for the engine until the server is past it or has refused it.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
 from kvdepot.server.client import DepotClient, ServerError, ServerUnavailable
 from kvdepot.server.copies import AnyLease, CopyHandle, gather_rows, scatter_rows, wire_lease
+from kvdepot.server.copy_fence import SUPPORTED as FENCE_SUPPORTED
+from kvdepot.server.copy_fence import FenceError, FenceFile, Ticket
 from kvdepot.server.ipc import ExportedPool, export_pool
 from kvdepot.server.layer_follow import WATCH_GRACE_NS, FollowStats, RemoteProgress, Watch
 from kvdepot.server.namespace import mp_namespace
@@ -116,6 +119,7 @@ class RemoteEngine:
         self.granted: p.RegisterReply | None = None
         self.lease_token = b""  # the server's token for this session's leases (from the last LOOKUP)
         self._page: ProgressPage | None = None  # this registration's progress page, if the server writes it
+        self._fence: FenceFile | None = None  # this registration's copy fence, if the server opened it
         self.layer_stats = FollowStats()  # what following loads answered early cost (LAYERS calls)
         # KV events (server with kv_events_endpoint): the tokens of recent prompts, by last key, so
         # a lookup by keys can carry them to the server (docs/events.md).
@@ -186,8 +190,11 @@ class RemoteEngine:
 
     def _send_register(self) -> p.RegisterReply:
         base = self._base
-        page = self._new_page()
-        desc = self.exported.desc if page is None else msgspec.structs.replace(self.exported.desc, progress_page=page.path)
+        page, fence = self._new_page(), self._new_fence()
+        files: dict[str, Any] = {"progress_page": page.path} if page is not None else {}
+        if fence is not None:
+            files.update(fence=fence.path, fence_epoch=fence.epoch)
+        desc = msgspec.structs.replace(self.exported.desc, **files)
         msg = p.Register(
             model_id=self.model_id, tp_rank=self.tp_rank, tp_size=self.tp_size, tokens_per_block=base.tokens_per_block,
             num_blocks=base.num_blocks, num_layers=base.num_layers, kv_factor=base.kv_factor,
@@ -199,14 +206,36 @@ class RemoteEngine:
             # NOTE: once per start-up, and slow on a cold server (CUDA init, opening the IPC handle,
             # measured > 2 s on the H200): give it more than an ordinary call's timeout.
             reply, _ = self.client.call(msg, handshake=True, timeout=max(self.client.timeout_s, REGISTER_TIMEOUT_S))
+        except BaseException:
+            if fence is not None:
+                fence.close()
+            raise
         finally:
-            if page is not None:
-                page.unlink()  # mapped by the server by now, or never: the mappings outlive the name
+            for made in (page, fence):
+                if made is not None:
+                    made.unlink()  # opened by the server by now, or never: its descriptors outlive the name
         assert isinstance(reply, p.RegisterReply)
         if page is not None and not reply.progress_page:
             page.close()  # a server that does not write it (older, over TCP, another CPU): LAYERS
         self._page = page if page is not None and reply.progress_page else None  # older loads keep theirs
+        if fence is not None and not reply.fence:
+            fence.close()  # a server that does not lock it (older, over TCP): copies go with their deadline
+        self._fence = fence if fence is not None and reply.fence else None  # older copies keep theirs
         return reply
+
+    def _new_fence(self) -> FenceFile | None:
+        """A fresh copy fence for this registration, where the server maps the pool."""
+        if self.exported.kind == "bytes" or not FENCE_SUPPORTED:
+            return None
+        try:
+            return FenceFile.create()
+        except FenceError as exc:
+            logger.warning("kvdepot: %s; copies into the pool are stopped by their deadline alone", exc)
+            return None
+
+    def _ticket(self, on_abandoned: Callable[[], None] | None = None) -> Ticket | None:
+        fence = self._fence
+        return fence.ticket(on_abandoned) if fence is not None else None
 
     def _new_page(self) -> ProgressPage | None:
         """A fresh progress page for this registration, where loads can go by layer and it is safe."""
@@ -308,7 +337,9 @@ class RemoteEngine:
             future = self.client.submit(p.Store(blob, ids), [payload], timeout=self._bulk_timeout(len(payload)))
         else:
             synced = self.exported.before_copy(stream)
-            future = self.client.submit(p.Store(blob, ids, self._deadline(), synced))
+            ticket = self._ticket()
+            future = self.client.submit(p.Store(blob, ids, self._deadline(), synced, ticket.number if ticket else 0))
+            return CopyHandle(future, lambda result: result[0].stored_chunks, ticket=ticket)
         return CopyHandle(future, lambda result: result[0].stored_chunks)
 
     def retrieve(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
@@ -339,10 +370,13 @@ class RemoteEngine:
         ids = list(block_ids)
         by_layer = by_layer and self.exported.layered
         deadline, page, server = self._deadline(), self._page, self.client.server_id  # what the reply is read with
+        # Given up on without a reply: once the server lets go of it, the stream waits on what it recorded.
+        ticket = self._ticket(lambda: self.exported.after_abandoned_load(stream)) if self.exported.kind != "bytes" else None
         msg = p.Retrieve(w.join_keys(keys), ids, skip_blocks, num_blocks, session, rid, deadline,
-                         self.exported.before_copy(stream), by_layer, token, early=by_layer)
+                         self.exported.before_copy(stream), by_layer, token, early=by_layer,
+                         ticket=ticket.number if ticket else 0)
         bulk = len(ids) * self._base.bytes_per_block if self.exported.kind == "bytes" else 0
-        handle = CopyHandle(self.client.submit(msg, timeout=self._bulk_timeout(bulk)), fallback=fallback)
+        handle = CopyHandle(self.client.submit(msg, timeout=self._bulk_timeout(bulk)), fallback=fallback, ticket=ticket)
 
         def finish(result: Any) -> int:
             reply, payloads = result
@@ -353,7 +387,9 @@ class RemoteEngine:
                 if not by_layer:  # its events would say nothing about this load
                     raise ValueError("the server answered by layer a load not asked for by layer")
                 follow = self._progress(reply, page, deadline, server)
-                handle.layered = self.exported.layered_load(follow, reply.layers_ready if reply.load_id else None)
+                # answered early: the server copies on after its reply, so the ticket goes with the layers
+                kept = handle.keep_ticket() if reply.load_id else None
+                handle.layered = self.exported.layered_load(follow, reply.layers_ready if reply.load_id else None, kept)
             else:
                 self.exported.after_load(stream)
             return reply.end_tokens
@@ -393,3 +429,5 @@ class RemoteEngine:
         self.exported.close()
         if self._page is not None:
             self._page.close()
+        if self._fence is not None:
+            self._fence.close()

@@ -32,6 +32,7 @@ from kvdepot.events.publisher import publisher_from_config
 from kvdepot.keys import KEY_BYTES
 from kvdepot.server import protocol as p
 from kvdepot.server import wire as w
+from kvdepot.server.copy_fence import Admission
 from kvdepot.server.ipc import IpcError, frame_tensor
 from kvdepot.server.layer_progress import LayerProgress, LoadBook, start_early
 from kvdepot.server.protocol import ErrorCode, ProtocolError
@@ -168,6 +169,8 @@ class DepotService:
         reg = session.reg
         if reg is not None and reg.pool.progress is not None:  # the client reads its loads' progress there
             reply = msgspec.structs.replace(reply, progress_page=True)
+        if reg is not None and reg.pool.fence is not None:  # its copies may carry tickets
+            reply = msgspec.structs.replace(reply, fence=True)
         return reply, []
 
     # ---- lookups ------------------------------------------------------------------------------
@@ -229,12 +232,17 @@ class DepotService:
                     raise ProtocolError(ErrorCode.BAD_PAYLOAD, f"a bytes-pool STORE carries 1 payload frame, got {len(payloads)}")
                 pool = self._payload_pool(reg, len(msg.block_ids), payloads[0])
                 handle = reg.shard.store(pool, keys, list(range(len(msg.block_ids))), transient=True)
-            else:
+                handle.wait()
+                return p.StoreReply(handle.chunks), []
+            admission = reg.pool.admit(msg.ticket, msg.deadline_ns)
+            try:
                 with _device(reg.pool.tensor):
                     reg.pool.wait_client(msg.synced)
                     handle = reg.shard.store(reg.pool.tensor, keys, msg.block_ids, stream=reg.pool.stream,
-                                             deadline_ns=msg.deadline_ns)
-            handle.wait()  # reply only once the blocks are copied: the client may then reuse them
+                                             admission=admission)
+                handle.wait()  # reply only once the blocks are copied: the client may then reuse them
+            finally:
+                admission.leave()  # the copy is over: an abandoning client may have the blocks back
             return p.StoreReply(handle.chunks), []
         finally:
             session.end_op()
@@ -243,6 +251,7 @@ class DepotService:
         session = self._session(peer)
         reg = session.begin_op()
         early: list[tuple[int, int]] = []  # (load id, layers recorded) of a load answered early
+        admission = reg.pool.admit(msg.ticket, msg.deadline_ns)
         try:
             keys = self._check_copy(msg.keys, msg.block_ids)
             if not 0 <= msg.skip_blocks <= p.MAX_BLOCKS or not 0 <= (msg.num_blocks or 0) <= p.MAX_BLOCKS:
@@ -264,7 +273,7 @@ class DepotService:
                 if load is None:
                     reg.pool.signal_client()
                 elif msg.early:
-                    early.append(self._answer_early(session, reg, load, msg.deadline_ns))
+                    early.append(self._answer_early(session, reg, load, admission))
                 else:
                     reg.shard.issuer.drain()  # an early load's records of these events come first
                     reg.pool.signal_layers(load)
@@ -275,19 +284,25 @@ class DepotService:
                 reg.pool.wait_client(msg.synced)
                 end = reg.shard.retrieve(reg.pool.tensor, keys, msg.block_ids, msg.skip_blocks, msg.num_blocks, lease,
                                          stream=reg.pool.stream, after=signal, by_layer=by_layer,
-                                         deadline_ns=msg.deadline_ns)
+                                         admission=admission)
             load_id, ready = early[0] if early else (0, 0)
             return p.RetrieveReply(end, max(0, end // B - msg.skip_blocks), any(layered), load_id, ready), []
         finally:
-            if not early:  # an early load's op ends on the issuer, once its last layer is recorded
+            if not early:  # an early load's op (and copy) ends on the issuer, once its last layer is recorded
+                admission.leave()
                 session.end_op()
 
-    def _answer_early(self, session: Session, reg: Registration, load: LayerWaits, deadline_ns: int) -> tuple[int, int]:
+    def _answer_early(self, session: Session, reg: Registration, load: LayerWaits, admission: Admission) -> tuple[int, int]:
         """Record what can be now, leave the rest to the shard's issuer (``layer_progress``): the
         reply goes before the load's later layers are enqueued. Runs under the shard's lock."""
         pool = reg.pool
-        progress = LayerProgress(next(self._load_ids), load.num_layers, deadline_ns, pool.progress)
-        start_early(load, progress, reg.shard.issuer, pool.record_layer, pool.stream, session.end_op,
+
+        def end() -> None:
+            admission.leave()
+            session.end_op()
+
+        progress = LayerProgress(next(self._load_ids), load.num_layers, admission.deadline_ns, pool.progress)
+        start_early(load, progress, reg.shard.issuer, pool.record_layer, pool.stream, end,
                     lambda: _device(pool.tensor))  # type: ignore[arg-type]
         self.layer_loads.add(session.sid, progress)
         return progress.load_id, progress.recorded

@@ -31,7 +31,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,7 @@ from kvdepot.events.base import NULL_SINK
 from kvdepot.events.publisher import KVEventPublisher
 from kvdepot.keys import ChunkHasher, ChunkKey
 from kvdepot.layout import PoolLayout
+from kvdepot.server.copy_fence import OPEN, Admission
 from kvdepot.server.layer_progress import LayerIssuer
 from kvdepot.server.namespace import mp_namespace
 from kvdepot.server.protocol import ErrorCode, ProtocolError, Register
@@ -84,12 +84,6 @@ class Shard:
         with _near_gpu(device):
             self._detach_locked()
 
-    @staticmethod
-    def _check_deadline(deadline_ns: int) -> None:
-        if deadline_ns and time.monotonic_ns() > deadline_ns:
-            # The client has stopped waiting and may reuse these blocks: a copy now could race it.
-            raise ProtocolError(ErrorCode.DEADLINE_EXCEEDED, "the client's deadline passed before the copy could start")
-
     def _attach(self, pool: torch.Tensor) -> None:
         if self._attached is not pool:
             self.engine.register_pool(pool)
@@ -120,12 +114,13 @@ class Shard:
 
     def store(
         self, pool: torch.Tensor, keys: Sequence[ChunkKey], block_ids: Sequence[int], stream: object = None,
-        *, transient: bool = False, deadline_ns: int = 0,
+        *, transient: bool = False, admission: Admission = OPEN,
     ) -> StoreHandle:
-        """Store from ``pool``; a ``transient`` pool (a bytes payload) is detached at once."""
+        """Store from ``pool``; a ``transient`` pool (a bytes payload) is detached at once.
+        ``admission`` is entered right before the copy; the caller leaves it once the copy is over."""
         with self.lock:
-            self._check_deadline(deadline_ns)
             self._attach(pool)
+            admission.enter()
             handle = self.engine.store(keys, block_ids, stream=stream)
             if transient:
                 self._detach_locked()
@@ -135,27 +130,28 @@ class Shard:
         self, pool: torch.Tensor, keys: Sequence[ChunkKey], block_ids: Sequence[int], skip_blocks: int,
         num_blocks: int | None, lease: Hashable | None, stream: object = None,
         after: Callable[[LayerWaits | None], None] | None = None,
-        *, by_layer: bool = False, transient: bool = False, deadline_ns: int = 0,
+        *, by_layer: bool = False, transient: bool = False, admission: Admission = OPEN,
     ) -> int:
         """Load; ``after(load)`` runs under the lock once the copy is enqueued (record events):
         ``load`` is the layered load where ``by_layer`` asked for one and the engine made one
         (``stream`` was then not made to wait), else None. A one-copy group loads a rank's
-        pool under that pool's own lock, beside the other ranks' loads."""
+        pool under that pool's own lock, beside the other ranks' loads. ``admission`` is entered
+        right before the copy (after any wait for a promotion); the caller leaves it."""
         shared = self.group.one_copy and lease is not None  # the lookup's lease: _loaded() releases it
         args = dict(skip_blocks=skip_blocks, num_blocks=num_blocks, lease=None if shared else lease, stream=stream)
         by_layer = by_layer and self.engine.config.load_by_layer == "auto"
         try:
             if self.group.one_copy and not transient:
                 with self._pool_lock(pool) as loads:
-                    self._check_deadline(deadline_ns)
                     if shared:
                         self.engine.wait_promotion(lease)  # its lower-tier chunks, read into host memory
+                    admission.enter()
                     return _load(loads, keys, block_ids, args, by_layer, after)
             with self.lock:
-                self._check_deadline(deadline_ns)
                 self._attach(pool)
                 if shared:
                     self.engine.wait_promotion(lease)  # its lower-tier chunks, read into host memory
+                admission.enter()
                 end = _load(self.engine, keys, block_ids, args, by_layer, after)
                 if transient:
                     self._detach_locked()
