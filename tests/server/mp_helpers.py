@@ -43,12 +43,15 @@ def make_pool(mode: str, directory: Path, seed: int = 0, name: str = "pool") -> 
     return fill(pool, seed)
 
 
-def start_server(url: str, *extra: str, log: Path | None = None, timeout: float = 30.0) -> subprocess.Popen:
-    """``python -m kvdepot.server`` in a subprocess; returns once it listens (log next to the socket)."""
+def start_server(url: str, *extra: str, log: Path | None = None, timeout: float = 30.0,
+                 script: Path | None = None) -> subprocess.Popen:
+    """``python -m kvdepot.server`` (or a test's ``script`` wrapping it) in a subprocess; returns
+    once it listens (log next to the socket)."""
     log = log or Path(url.removeprefix("ipc://") + ".log")
+    entry = [str(script)] if script is not None else ["-m", "kvdepot.server"]
     with open(log, "w") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdepot.server", "--url", url, *SERVER_ARGS, *extra],
+            [sys.executable, *entry, "--url", url, *SERVER_ARGS, *extra],
             stdout=sink, stderr=subprocess.STDOUT,
         )
     deadline = time.monotonic() + timeout

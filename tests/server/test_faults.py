@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,3 +110,35 @@ def test_killed_client_leases_and_mapping_are_released(server_url, workdir):
         if holder.poll() is None:
             holder.kill()
         observer.close()
+
+
+def test_a_server_killed_inside_a_load_frees_the_blocks_and_writes_nothing_after(workdir):
+    """The server admitted a load and stalls before copying, past the client's timeout: the load
+    does not return while the server may still write (``copy_fence``), and returns at the kill."""
+    url = f"ipc://{workdir}/k.sock"
+    proc = start_server(url, script=Path(__file__).with_name("stalling_server.py"))
+    client = DepotClient(url, timeout_s=TIMEOUT_S, heartbeat_s=0.1, name="stalled")
+    stall = Path(url.removeprefix("ipc://") + ".stall")
+    try:
+        pool = make_pool("shm", workdir, seed=2)
+        engine = RemoteEngine(client, pool, TOKENS_PER_BLOCK, model_id="killed", mode="shm")
+        keys, dst = engine.chunk_keys(prompt(2)), list(range(16, 16 + BLOCKS))
+        engine.store(keys, list(range(BLOCKS))).wait()
+        pool[dst] = -7.0
+        stall.touch()
+        with ThreadPoolExecutor(1) as pool_threads:
+            load = pool_threads.submit(engine.retrieve, keys, dst, lease=None)
+            time.sleep(4 * TIMEOUT_S)
+            assert not load.done()  # timed out long ago, but the server is inside the copy
+            proc.kill()
+            killed = time.monotonic()
+            assert load.result(5) == 0
+            assert time.monotonic() - killed < 2.0  # its lock went with it
+        proc.wait()
+        time.sleep(0.2)
+        assert (pool[dst] == -7.0).all()  # it died before copying; nothing came after either
+    finally:
+        stall.unlink(missing_ok=True)
+        client.close()
+        proc.kill()
+        proc.wait()
