@@ -69,12 +69,13 @@ from kvdepot.server import wire as w
 from kvdepot.server.client import DepotClient, ServerError, ServerUnavailable
 from kvdepot.server.copies import AnyLease, CopyHandle, gather_rows, scatter_rows, wire_lease
 from kvdepot.server.copy_fence import SUPPORTED as FENCE_SUPPORTED
-from kvdepot.server.copy_fence import FenceError, FenceFile, Ticket
+from kvdepot.server.copy_fence import FenceFile, Ticket
 from kvdepot.server.ipc import ExportedPool, export_pool
 from kvdepot.server.layer_follow import WATCH_GRACE_NS, FollowStats, RemoteProgress, Watch
 from kvdepot.server.namespace import mp_namespace
-from kvdepot.server.progress_page import PAGE_SUPPORTED, PageError, ProgressPage
+from kvdepot.server.progress_page import PAGE_SUPPORTED, ProgressPage
 from kvdepot.server.recent_prompts import RecentPrompts
+from kvdepot.server.shared_file import SharedFileError
 from kvdepot.transfer.layered import LayerWaits
 
 logger = logging.getLogger("kvdepot")
@@ -225,13 +226,8 @@ class RemoteEngine:
 
     def _new_fence(self) -> FenceFile | None:
         """A fresh copy fence for this registration, where the server maps the pool."""
-        if self.exported.kind == "bytes" or not FENCE_SUPPORTED:
-            return None
-        try:
-            return FenceFile.create()
-        except FenceError as exc:
-            logger.warning("kvdepot: %s; copies into the pool are stopped by their deadline alone", exc)
-            return None
+        return _made(self.exported.kind != "bytes" and FENCE_SUPPORTED, FenceFile.create,
+                     "copies into the pool are stopped by their deadline alone")
 
     def _ticket(self, on_abandoned: Callable[[], None] | None = None) -> Ticket | None:
         fence = self._fence
@@ -239,14 +235,9 @@ class RemoteEngine:
 
     def _new_page(self) -> ProgressPage | None:
         """A fresh progress page for this registration, where loads can go by layer and it is safe."""
-        if not (isinstance(self.exported.desc, p.CudaIpcPool) and self.exported.layered and PAGE_SUPPORTED
-                and self.config.layer_progress == "auto"):
-            return None
-        try:
-            return ProgressPage.create()
-        except PageError as exc:
-            logger.warning("kvdepot: %s; loads by layer follow the server by LAYERS", exc)
-            return None
+        wanted = (isinstance(self.exported.desc, p.CudaIpcPool) and self.exported.layered and PAGE_SUPPORTED
+                  and self.config.layer_progress == "auto")
+        return _made(wanted, ProgressPage.create, "loads by layer follow the server by LAYERS")
 
     # ---- keys and lookups -----------------------------------------------------------------------
     def chunk_keys(self, tokens: Sequence[int]) -> list[ChunkKey]:
@@ -431,3 +422,14 @@ class RemoteEngine:
             self._page.close()
         if self._fence is not None:
             self._fence.close()
+
+
+def _made(wanted: bool, make: Callable[[], Any], otherwise: str) -> Any:
+    """A registration's shared file, where ``wanted`` and it can be made (else None, logged)."""
+    if not wanted:
+        return None
+    try:
+        return make()
+    except SharedFileError as exc:
+        logger.warning("kvdepot: %s; %s", exc, otherwise)
+        return None
