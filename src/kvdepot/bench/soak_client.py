@@ -69,10 +69,15 @@ def expected(key: bytes, nbytes: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
 
 
+def pool_path(workdir: Path, name: str) -> Path:
+    """The shared file of client ``name``'s pool (the soak checks none is left at the end)."""
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else workdir
+    return shm / f"{workdir.name}-{name}"
+
+
 def _pool(workdir: Path, name: str, mode: str) -> torch.Tensor:
     if mode == "shm":
-        shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else workdir
-        return shared_cpu_pool(str(shm / f"{workdir.name}-{name}"), POOL_SHAPE, DTYPE)
+        return shared_cpu_pool(str(pool_path(workdir, name)), POOL_SHAPE, DTYPE)
     return torch.zeros(POOL_SHAPE, dtype=DTYPE)
 
 
