@@ -59,3 +59,16 @@ def test_a_block_without_a_forward_says_so(engine):
         pass
     with pytest.raises(RuntimeError, match="no forward"):
         marks.split()
+
+
+def test_pace_counts_the_layers_a_waiting_host_paced(engine, monkeypatch):
+    # On CPU a forward runs as the host issues it, so every layer past the first is host-paced,
+    # and the host's slow wait before layer 1 is the device's step from layer 0 to layer 1.
+    monkeypatch.setattr(engine.connector, "layer_hooks", _SlowLayerWaits(engine.connector.layer_hooks, 1, 0.05))
+    with ForwardMarks(engine) as marks:
+        engine.generate([list(range(1, 80))], 1)
+    layers = len(marks._last.layers)
+    assert layers == engine.model.config.num_layers == 2  # tiny: one step, the slow one
+    pace = marks.pace()
+    assert pace["host-paced layers"] == layers - 1
+    assert 50 <= pace["ms/layer"] <= marks.split()["forward ms"]

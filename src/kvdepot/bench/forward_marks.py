@@ -14,26 +14,40 @@ events on the execution stream (the device's time: when the forward could go on 
 wait) and ``perf_counter`` on the host. ``before ms`` is host time from ``submit`` to the last
 forward's start; ``to layer 0 ms`` and ``forward ms`` are the device's, from that start (on CPU,
 where a forward runs as it is issued, the host's).
+
+Inside the forward, the marks after every layer's wait tell who paced it (``pace``): ``ms/layer``
+is the device's median time from one layer's mark to the next, and ``host-paced layers`` counts
+the layers whose mark the device passed within ``HOST_PACED_MS`` of the host enqueueing it — the
+device had caught up with the host, which was waiting (in MP, for the server to record that
+layer). A forward paced by the copies instead has its host far ahead and ``ms/layer`` above the
+device hit's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import statistics
 import time
 from typing import Any
 from unittest import mock
 
 import torch
 
+HOST_PACED_MS = 0.2  # a layer's mark passed this soon after the host enqueued it: the host paced it
 
 class _Forward:
     """The marks of one forward that ``split`` reads: (host seconds, CUDA event or None) at its
-    start, after layer 0's wait, and at its end."""
+    start, after each layer's wait (in order), and at its end."""
 
     def __init__(self) -> None:
         self.start: tuple[float, Any] | None = None
-        self.layer0: tuple[float, Any] | None = None
+        self.layers: list[tuple[float, Any]] = []
         self.end: tuple[float, Any] | None = None
+
+    @property
+    def layer0(self) -> tuple[float, Any] | None:
+        return self.layers[0] if self.layers else None
 
     @staticmethod
     def mark(stream: Any) -> tuple[float, Any]:
@@ -82,8 +96,7 @@ class ForwardMarks:
 
                 def waited(i: int) -> None:
                     pre(i)
-                    if i == 0:
-                        forward.layer0 = forward.mark(stream)
+                    forward.layers.append(forward.mark(stream))
 
                 return waited, post
 
@@ -109,3 +122,16 @@ class ForwardMarks:
         return {"before ms": (last.start[0] - self._submitted) * 1e3,
                 "to layer 0 ms": last.since_start(last.layer0) * 1e3 if last.layer0 else 0.0,
                 "forward ms": last.since_start(last.end) * 1e3}
+
+    def pace(self) -> dict[str, float]:
+        """Who paced the last forward past its layers' waits (module docstring): ``ms/layer``
+        and ``host-paced layers`` (NaN and 0 with fewer than two layers)."""
+        last = self._last
+        if last is None:
+            raise RuntimeError("no forward ran inside ForwardMarks")
+        assert last.start is not None
+        device = [last.since_start(mark) * 1e3 for mark in last.layers]
+        host = [(mark[0] - last.start[0]) * 1e3 for mark in last.layers]
+        steps = [b - a for a, b in itertools.pairwise(device)]
+        return {"ms/layer": statistics.median(steps) if steps else float("nan"),
+                "host-paced layers": sum(d - h < HOST_PACED_MS for d, h in zip(device[1:], host[1:], strict=True))}

@@ -17,7 +17,9 @@ server`` subprocess that maps the engine's pool by CUDA IPC and does the copies 
 
 Each hit's and device hit's TTFT is split (``bench/forward_marks.py``): host time ``before`` the
 forward that gave the token, then the device's time ``to layer 0`` (past its load's wait) and for
-the whole ``forward``: where a hit's time above its device hit went, before the forward or in it.
+the whole ``forward``: where a hit's time above its device hit went, before the forward or in it;
+inside it, the device's median ``ms/layer`` against the device hit's, and how many layers the
+host paced (the device passed their marks as soon as the host enqueued them).
 
 And the target the issue sets, from figures measured in this run:
 ``bound = 1.2 x KV bytes / memcpy GB/s + device-hit TTFT``. A 0%-reuse run (distinct prompts)
@@ -166,6 +168,7 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
         with ForwardMarks(eng) as device_marks:
             device = eng.generate([a], 1)[0]
         split, floor_split = hit_marks.split(), device_marks.split()
+        pace, floor_pace = hit_marks.pace(), device_marks.pace()
         eng.generate([_prompt(pool - 1, 250 + i, vocab)], 1)
         partial = eng.generate([a + _prompt(args.suffix, 400 + i, vocab)], 1)[0]
         floor = eng.generate([a + _prompt(args.suffix, 500 + i, vocab)], 1)[0]  # A's blocks reused in the pool
@@ -193,6 +196,10 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
             "hit: before ms": split["before ms"], "hit: to layer 0 ms": split["to layer 0 ms"],
             "hit: forward ms": split["forward ms"],
             "device: before ms": floor_split["before ms"], "device: forward ms": floor_split["forward ms"],
+            # Who paced the hit's forward past its layers' waits: the copies (ms/layer above the
+            # device hit's, the host ahead) or the host (its marks passed as soon as enqueued).
+            "hit: ms/layer": pace["ms/layer"], "device: ms/layer": floor_pace["ms/layer"],
+            "hit: host-paced layers": pace["host-paced layers"],
             "hit==device bitwise": bool(torch.equal(hit.logits[0], device.logits[0])),
             "tokens==recompute": hit.output_ids == miss.output_ids,
             f"+{args.suffix} partial hit ms": partial.ttft_s * 1e3,
