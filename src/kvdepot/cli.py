@@ -27,6 +27,7 @@ BENCHES = {
     "vllm": ("kvdepot.bench.vllm", "TTFT of real vLLM without a connector, with kvdepot, and with vLLM's own prefix cache"),
     "hooks": ("kvdepot.bench.layer_hooks", "host time a load by layer costs the forward per layer hook: in-process vs server mode (LAYERS or progress page), simulated copies (CPU)"),
     "dma": ("kvdepot.bench.dma_ceiling", "the copy engines' and driver's ceiling for scattered blocks: batched copies listed beforehand vs pinned memcpy (CUDA)"),
+    "contexts": ("kvdepot.bench.cross_context", "what another process's copies into this GPU cost a forward waiting on them, by the stream its events are recorded on (CUDA)"),
     "bookkeeping": ("kvdepot.bench.bookkeeping", "host-side cost of CacheEngine store/lookup/retrieve with no copy (CPU)"),
     "tp": ("kvdepot.bench.tp", "MLA under tensor parallel 2 in server mode: bytes stored per chunk and load time, one copy vs per rank"),
     "firsthit": ("kvdepot.bench.first_hit", "a process's first kvdepot hit vs its later ones, and vs its first device hit (whose toll)"),

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma firsthit19 ab19 goals19
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma contexts firsthit19 ab19 goals19
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -60,6 +60,7 @@ from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --dis
         python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 $shape --store-head-mib ${HEADS:-0,16} --lanes ${LANES:-1,2}
       done 2>&1 | tee "$OUT/issue19.txt"
       python3 -m kvdepot.cli bench bookkeeping 2>&1 | tee "$OUT/bookkeeping.txt" ;;
+    contexts) python3 -m kvdepot.cli bench contexts 2>&1 | tee "$OUT/contexts.txt" ;;  # MP's per-layer toll: where the server records
     dma) python3 -m kvdepot.cli bench dma 2>&1 | tee "$OUT/dma.txt" ;;  # the copy engines' ceiling for scattered blocks
     goals19) # every figure issue 19's closing note asks for, in one call (~4 min): transfer rows, TTFT, first hit, disk
       for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "--layers 16 --head-dim 64 --tokens-per-block 8"; do
