@@ -1,13 +1,33 @@
-"""Small helpers shared by the benchmarks: timing, the memcpy ceiling, and table printing."""
+"""Small helpers shared by the benchmarks: timing, the memcpy ceiling, and option parsing."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+
+def positive(value: str) -> int:
+    """An option's whole number >= 1 (argparse names the option and quotes this on a bad one)."""
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
+    return int(value)
+
+
+def size_list(unit: str, example: str) -> Callable[[str], list[int]]:
+    """An option's comma-separated sizes in ``unit``, each >= 1."""
+
+    def parse(value: str) -> list[int]:
+        try:
+            return [positive(part.strip()) for part in value.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"{value!r}: expected {unit} sizes >= 1, comma-separated (e.g. {example})") from None
+
+    return parse
 
 
 def sync(device: torch.device) -> None:

@@ -36,25 +36,13 @@ from typing import Any
 
 import torch
 
+from kvdepot.bench.common import positive, size_list
 from kvdepot.bench.report import Bars, Report, add_output_arguments
 
 DEVICE_HIT, IN_PROCESS = "device hit", "in-process"
 COPY_STREAM, RECORD_STREAM, COPIES_ONLY = "other process, copy stream", "other process, record stream", "other process, copies only"
 MODES = (DEVICE_HIT, IN_PROCESS, COPY_STREAM, RECORD_STREAM, COPIES_ONLY)
 MATMUL = 4096  # bf16 square matmuls: ~0.2 ms each on an H100, so a layer's compute is finely sized
-
-
-def _positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
-    return int(value)
-
-
-def _mib_list(value: str) -> list[int]:
-    try:
-        return [_positive(part.strip()) for part in value.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected MiB sizes >= 1, comma-separated (e.g. 64,128)") from None
 
 
 def _ratio(value: str) -> float:
@@ -68,12 +56,12 @@ def _ratio(value: str) -> float:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=_positive, default=32, help="layers of the forward (8B: 32)")
-    parser.add_argument("--layer-mib", type=_mib_list, default="64,128",
+    parser.add_argument("--layers", type=positive, default=32, help="layers of the forward (8B: 32)")
+    parser.add_argument("--layer-mib", type=size_list("MiB", "64,128"), default="64,128",
                         help="KV per layer in MiB, comma-separated (an 8B model at 16K / 32K tokens: ~64 / ~128)")
     parser.add_argument("--compute-per-copy", type=_ratio, default=1.05,
                         help="a layer's compute over its copy time (1.05: the copies just keep up, as at 32K)")
-    parser.add_argument("--rounds", type=_positive, default=7, help="timed forwards per row, rows interleaved")
+    parser.add_argument("--rounds", type=positive, default=7, help="timed forwards per row, rows interleaved")
     add_output_arguments(parser)
 
 

@@ -26,30 +26,18 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvdepot.bench.common import Memcpy, paired_seconds
+from kvdepot.bench.common import Memcpy, paired_seconds, positive, size_list
 from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.transfer import cuda_batch
 from kvdepot.transfer.batch import FIRST_WINDOW_BYTES, WINDOW_BYTES, window_bounds
 from kvdepot.transfer.plan import CopyList
 
 
-def _positive(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 1")
-    return int(value)
-
-
-def _kib_list(value: str) -> list[int]:
-    try:
-        return [_positive(part.strip()) for part in value.split(",")]
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"{value!r}: expected KiB sizes >= 1, comma-separated (e.g. 256,1024)") from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--block-kib", type=_kib_list, default="256,1024,4096", help="block sizes in KiB, comma-separated")
-    parser.add_argument("--blocks", type=_positive, default=256, help="blocks per operation (issue 19: 256)")
-    parser.add_argument("--reps", type=_positive, default=21, help="timed pairs per row (the median ratio is shown)")
+    parser.add_argument("--block-kib", type=size_list("KiB", "256,1024"), default="256,1024,4096",
+                        help="block sizes in KiB, comma-separated")
+    parser.add_argument("--blocks", type=positive, default=256, help="blocks per operation (issue 19: 256)")
+    parser.add_argument("--reps", type=positive, default=21, help="timed pairs per row (the median ratio is shown)")
     add_output_arguments(parser)
 
 
