@@ -126,6 +126,7 @@ class LoadPath:
     def retrieve_by_layer(
         self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
         num_blocks: int | None = None, lease: Lease | None = None, stream: Any = None,
+        on_layer: Callable[[int, Any], None] | None = None,
     ) -> tuple[int, LayeredLoad | None]:
         """``retrieve``, copied layer by layer where it can be (``can_load_by_layer``): ``stream``
         is then *not* made to wait, and the caller must wait on the returned ``LayeredLoad``
@@ -134,8 +135,10 @@ class LoadPath:
         nobody waited for is enqueued by ``wait_all`` and the store handles' ``wait``.
         The load is ``None`` where it was done whole or nothing was loaded: ``stream`` then waits
         as after ``retrieve``. Raises ``TransferFailed`` where the copies cannot be enqueued
-        (now, or from the load's ``wait_layer`` later)."""
-        return self._retrieve(keys, block_ids, skip_blocks, num_blocks, lease, stream, by_layer=self.can_load_by_layer())
+        (now, or from the load's ``wait_layer`` later). ``on_layer``: called as each layer's
+        copies are enqueued, on their stream (``LayeredLoad``; a server's layer signals)."""
+        return self._retrieve(keys, block_ids, skip_blocks, num_blocks, lease, stream, by_layer=self.can_load_by_layer(),
+                              on_layer=on_layer)
 
     def retrieve_async(
         self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
@@ -158,7 +161,7 @@ class LoadPath:
 
     def _retrieve(
         self, keys: Sequence[ChunkKey], block_ids: Sequence[int], skip_blocks: int, num_blocks: int | None,
-        lease: Lease | None, stream: Any, *, by_layer: bool,
+        lease: Lease | None, stream: Any, *, by_layer: bool, on_layer: Callable[[int, Any], None] | None = None,
     ) -> tuple[int, LayeredLoad | None]:
         started = time.perf_counter()
         B, bpc = self.layout.tokens_per_block, self.layout.blocks_per_chunk
@@ -211,7 +214,8 @@ class LoadPath:
         layered = None
         if by_layer:  # enqueued a few layers ahead of the forward as it waits (transfer/layered.py)
             layers = self.mover.scatter_layers(copies, self._views, self.layout.num_layers)
-            layered = self._transfers.start_layered(layers, self.layout.num_layers, lambda: self.host.release(pin), stream)
+            layered = self._transfers.start_layered(layers, self.layout.num_layers, lambda: self.host.release(pin), stream,
+                                                    on_layer)
         else:
             lead, rest = self._split_lead(copies, check)
             self._transfers.load(lambda: self.mover.scatter_many(rest, self._views), lambda: self.host.release(pin),

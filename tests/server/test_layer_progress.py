@@ -48,6 +48,14 @@ class ScriptedLoad(LayerWaits):
             raise TransferFailed(f"layer {layer} could not be enqueued")
         self.log.append((self.name, "wait", layer))
 
+    def enqueue_through(self, layer: int) -> None:  # records on issue (layer_signals: copy-stream)
+        if layer == self.hold_at:
+            self.held.set()
+            assert self.gate.wait(10)
+        if layer == self.fail_at:
+            raise TransferFailed(f"layer {layer} could not be enqueued")
+        self.log.append((self.name, "enqueue", layer))
+
     def abandon(self, reason: BaseException) -> None:
         self.abandoned = reason
 
@@ -55,11 +63,12 @@ class ScriptedLoad(LayerWaits):
         self.log.append((self.name, "fence", None))
 
 
-def _early(load: ScriptedLoad, issuer: LayerIssuer, deadline_ns: int = 0) -> tuple[LayerProgress, list[int]]:
+def _early(load: ScriptedLoad, issuer: LayerIssuer, deadline_ns: int = 0, on_issue: bool = False,
+           ) -> tuple[LayerProgress, list[int]]:
     progress = LayerProgress(1, LAYERS, deadline_ns)
     ended: list[int] = []
     start_early(load, progress, issuer, lambda layer: load.log.append((load.name, "record", layer)), None,
-                lambda: ended.append(1))
+                lambda: ended.append(1), on_issue=on_issue)
     return progress, ended
 
 
@@ -138,6 +147,32 @@ def test_a_layer_not_enqueued_fails_that_layer_and_every_later_one_for_the_clien
                     follow.through(layer)
         finally:
             issuer.close()
+
+
+def test_with_records_on_issue_layers_are_only_enqueued_in_order_and_a_failure_still_fences():
+    """``layer_signals: copy-stream``: the load records each layer's event as it enqueues it, so
+    the issuer makes no stream wait and records nothing itself — until a failure, whose fence is
+    recorded as before, after every copy that went."""
+    log: list = []
+    load = ScriptedLoad(log, hold_at=1)
+    issuer = LayerIssuer("test-layers")
+    try:
+        progress, ended = _early(load, issuer, on_issue=True)
+        assert load.held.wait(5)  # the issuer, at layer 1
+        assert progress.recorded == 1 and log == [("a", "enqueue", 0)]
+        load.gate.set()
+        assert issuer.drain(5)
+        assert log == [("a", "enqueue", layer) for layer in range(LAYERS)]
+        assert progress.recorded == LAYERS and not progress.failed and ended == [1]
+        failing: list = []
+        load = ScriptedLoad(failing, fail_at=5)
+        progress, ended = _early(load, issuer, on_issue=True)
+        assert issuer.drain(5)
+        assert progress.recorded == 5 and "TransferFailed" in progress.failed and progress.fenced and ended == [1]
+        assert failing == ([("a", "enqueue", n) for n in range(5)] + [("a", "fence", None)]
+                           + [("a", "record", n) for n in range(5, LAYERS)])
+    finally:
+        issuer.close()
 
 
 def test_the_deadline_stops_the_issue_and_fails_the_rest():
@@ -261,6 +296,49 @@ def test_a_server_layered_load_asks_before_it_waits_on_an_event():
     with pytest.raises(TransferFailed):  # raised before any CUDA call (which would fail here otherwise)
         load.wait_layer(3, None)
     assert asked == [3] and load.waited == 0
+
+
+class _Logged:
+    """A CPU stand-in for a layer's event or the copy stream, logging what is enqueued."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def record(self) -> None:
+        self.log.append(("event", self.name))
+
+
+def test_a_layered_load_signals_each_layer_right_after_enqueueing_it_on_its_copy_stream():
+    log: list = []
+    side = object()
+
+    def layers():
+        for layer in range(6):
+            log.append(("copies", layer))
+            yield layer
+
+    load = LayeredLoad(layers(), [_Logged(log, n) for n in range(6)], side, lambda exc: None, ahead=2,
+                       on_layer=lambda layer, stream: log.append(("signal", layer, stream is side)))
+    load.issue_through(2)  # what start_layered enqueues at once
+    load.enqueue_through(3)
+    load.finish()
+    assert log == [step for n in range(6) for step in (("copies", n), ("event", n), ("signal", n, True))]
+
+
+def test_a_layer_signal_that_fails_fails_the_load_there():
+    seen: list = []
+
+    def signal(layer: int, stream: object) -> None:
+        if layer == 2:
+            raise RuntimeError("cudaEventRecord failed")
+
+    load = LayeredLoad(iter(range(4)), [_Logged([], n) for n in range(4)], None, seen.append, ahead=0, on_layer=signal)
+    load.enqueue_through(1)
+    with pytest.raises(TransferFailed, match="after 2 layers"):
+        load.enqueue_through(2)
+    assert len(seen) == 1 and isinstance(seen[0], RuntimeError) and load.fully_issued
+    with pytest.raises(TransferFailed):
+        load.enqueue_through(3)
 
 
 def test_an_abandoned_layered_load_enqueues_nothing_more_and_reports_once():

@@ -302,17 +302,27 @@ class MappedPool:
             runtime, _ = _cuda()
             _check(runtime.cudaEventRecord(self._events[1], int(self.stream.cuda_stream)), "cudaEventRecord")
 
-    def signal_layers(self, load: LayerWaits) -> None:
+    def signal_layers(self, load: LayerWaits, *, on_issue: bool = False) -> None:
         """Record layer ``l``'s event once ``load``'s layer ``l`` is in, for every layer: this
-        stream waits for each layer in turn (which also enqueues a lazy load to the end)."""
+        stream waits for each layer in turn (which also enqueues a lazy load to the end); with
+        ``on_issue`` the load records them itself as it enqueues each layer (``record_layer_on``
+        as its ``on_layer``), so it is only enqueued to the end."""
+        if on_issue:
+            load.enqueue_through(len(self.layer_events) - 1)
+            return
         for layer in range(len(self.layer_events)):
             load.wait_layer(layer, self.stream)
             self.record_layer(layer)
 
     def record_layer(self, layer: int) -> None:
         """Record layer ``layer``'s event on this stream (after the wait for that layer's copies)."""
+        self.record_layer_on(layer, self.stream)
+
+    def record_layer_on(self, layer: int, stream: Any) -> None:
+        """Record layer ``layer``'s event on ``stream``: a load's copy stream, right after that
+        layer's copies (config ``layer_signals: copy-stream``), or this pool's own."""
         runtime, _ = _cuda()
-        _check(runtime.cudaEventRecord(self.layer_events[layer], int(self.stream.cuda_stream)), "cudaEventRecord")  # type: ignore[union-attr]
+        _check(runtime.cudaEventRecord(self.layer_events[layer], int(stream.cuda_stream)), "cudaEventRecord")
 
     def remove_file(self) -> bool:
         """Unlink the shared file, if its path still names the file that was mapped (never a

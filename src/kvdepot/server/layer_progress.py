@@ -176,18 +176,19 @@ class LayerIssuer:
 
 
 def record_rest(load: LayerWaits, progress: LayerProgress, record: Callable[[int], None],
-                stream: object) -> None:
+                stream: object, *, on_issue: bool = False) -> None:
     """Enqueue and record layers ``progress.recorded..`` of ``load`` in order: per layer, refuse
     past the deadline, make ``stream`` wait for the layer (which enqueues it), then ``record``
-    its interprocess event on ``stream`` and advance. On any failure ``load`` is abandoned (no
-    further copies), the remaining events are recorded after every copy that did go (the fence),
-    and ``progress`` failed: the client's wait for that layer raises, after waiting on the fence."""
+    its interprocess event on ``stream`` and advance — or, ``on_issue``, enqueue the layer (the
+    load records its event on the copy stream as it does: ``layer_signals: copy-stream``) and
+    advance. On any failure ``load`` is abandoned (no further copies), the remaining events are
+    recorded after every copy that did go (the fence), and ``progress`` failed: the client's wait
+    for that layer raises, after waiting on the fence."""
     try:
         for layer in range(progress.recorded, progress.layers):
             if progress.deadline_ns and time.monotonic_ns() > progress.deadline_ns:
                 raise DeadlinePassed(f"the client's deadline passed before layer {layer} was enqueued")
-            load.wait_layer(layer, stream)
-            record(layer)
+            _signal(load, layer, record, stream, on_issue)
             progress.advance(layer + 1)
             time.sleep(0)  # let the loop thread answer the LAYERS waiting for this layer
     except Exception as exc:
@@ -197,6 +198,15 @@ def record_rest(load: LayerWaits, progress: LayerProgress, record: Callable[[int
         progress.fail(f"{type(exc).__name__}: {exc}", fenced, failure)
         if not isinstance(exc, (TransferFailed, DeadlinePassed)):
             logger.error("kvdepot server: layer %d of a load could not be signalled: %s", progress.recorded, exc)
+
+
+def _signal(load: LayerWaits, layer: int, record: Callable[[int], None], stream: object, on_issue: bool) -> None:
+    """Have layer ``layer``'s interprocess event recorded after its copies (module docstring)."""
+    if on_issue:
+        load.enqueue_through(layer)
+    else:
+        load.wait_layer(layer, stream)
+        record(layer)
 
 
 def _fence(load: LayerWaits, progress: LayerProgress, record: Callable[[int], None], stream: object) -> bool:
@@ -214,15 +224,16 @@ def _fence(load: LayerWaits, progress: LayerProgress, record: Callable[[int], No
 
 def start_early(load: LayerWaits, progress: LayerProgress, issuer: LayerIssuer, record: Callable[[int], None],
                 stream: object, on_end: Callable[[], None],
-                context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+                context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext, *,
+                on_issue: bool = False) -> None:
     """Answer ``load`` early (call under the shard's lock, so ``issuer.idle`` stays true): layer 0
     is recorded now if no earlier load's layers wait in ``issuer`` (else it too is left to the
     issuer, behind them), the rest are queued; ``on_end`` runs once the job ends, however it ends.
-    A failure to record layer 0 here raises, and nothing is queued (``on_end`` is the caller's)."""
+    A failure to record layer 0 here raises, and nothing is queued (``on_end`` is the caller's).
+    ``on_issue``: the load records each layer's event as it enqueues the layer (``record_rest``)."""
     if issuer.idle:
         try:
-            load.wait_layer(0, stream)
-            record(0)
+            _signal(load, 0, record, stream, on_issue)
         except BaseException as exc:
             load.abandon(exc)
             raise
@@ -231,7 +242,7 @@ def start_early(load: LayerWaits, progress: LayerProgress, issuer: LayerIssuer, 
     def job() -> None:
         try:
             with context():  # the pool's device, on the issuer's thread
-                record_rest(load, progress, record, stream)
+                record_rest(load, progress, record, stream, on_issue=on_issue)
         finally:
             on_end()
 

@@ -131,12 +131,14 @@ class Shard:
         num_blocks: int | None, lease: Hashable | None, stream: object = None,
         after: Callable[[LayerWaits | None], None] | None = None,
         *, by_layer: bool = False, transient: bool = False, admission: Admission = OPEN,
+        on_layer: Callable[[int, Any], None] | None = None,
     ) -> int:
         """Load; ``after(load)`` runs under the lock once the copy is enqueued (record events):
         ``load`` is the layered load where ``by_layer`` asked for one and the engine made one
         (``stream`` was then not made to wait), else None. A one-copy group loads a rank's
         pool under that pool's own lock, beside the other ranks' loads. ``admission`` is entered
-        right before the copy (after any wait for a promotion); the caller leaves it."""
+        right before the copy (after any wait for a promotion); the caller leaves it.
+        ``on_layer``: a load by layer's signal of each layer, on its copy stream (``LayeredLoad``)."""
         shared = self.group.one_copy and lease is not None  # the lookup's lease: _loaded() releases it
         args = dict(skip_blocks=skip_blocks, num_blocks=num_blocks, lease=None if shared else lease, stream=stream)
         by_layer = by_layer and self.engine.config.load_by_layer == "auto"
@@ -146,13 +148,13 @@ class Shard:
                     if shared:
                         self.engine.wait_promotion(lease)  # its lower-tier chunks, read into host memory
                     admission.enter()
-                    return _load(loads, keys, block_ids, args, by_layer, after)
+                    return _load(loads, keys, block_ids, args, by_layer, after, on_layer)
             with self.lock:
                 self._attach(pool)
                 if shared:
                     self.engine.wait_promotion(lease)  # its lower-tier chunks, read into host memory
                 admission.enter()
-                end = _load(self.engine, keys, block_ids, args, by_layer, after)
+                end = _load(self.engine, keys, block_ids, args, by_layer, after, on_layer)
                 if transient:
                     self._detach_locked()
                 return end
@@ -297,11 +299,11 @@ class Group:
 
 
 def _load(loads: LoadPath, keys: Sequence[ChunkKey], block_ids: Sequence[int], args: dict[str, Any], by_layer: bool,
-          after: Callable[[LayerWaits | None], None] | None) -> int:
+          after: Callable[[LayerWaits | None], None] | None, on_layer: Callable[[int, Any], None] | None = None) -> int:
     """One load (by layer where asked), then ``after(layered load or None)``; its end in tokens."""
     load = None
     if by_layer:
-        end, load = loads.retrieve_by_layer(keys, block_ids, **args)
+        end, load = loads.retrieve_by_layer(keys, block_ids, **args, on_layer=on_layer)
     else:
         end = loads.retrieve(keys, block_ids, **args)
     if after is not None:

@@ -262,11 +262,12 @@ class InflightTransfers:
             on_done()
 
     def start_layered(self, layers: Iterator[int], num_layers: int, on_done: Callable[[], None],
-                      stream: Any) -> LayeredLoad:
+                      stream: Any, on_layer: Callable[[int, Any], None] | None = None) -> LayeredLoad:
         """A CUDA load of ``num_layers`` layers, ordered after ``stream``'s work so far, whose
         layers are enqueued as the answer is waited on (``layers``: each ``next()`` enqueues the
         next one on the current stream); the first ``layers_ahead`` are enqueued now, so that a
-        failure to enqueue at all reaches the caller. ``stream`` is not made to wait."""
+        failure to enqueue at all reaches the caller. ``stream`` is not made to wait.
+        ``on_layer``: see ``LayeredLoad`` (a server's signal of each layer, on the copy stream)."""
         assert self.streams is not None
         caller = stream if stream is not None else torch.cuda.current_stream(self.streams[0].device)
         side = self.side_stream(False, caller)
@@ -289,7 +290,7 @@ class InflightTransfers:
                 self._layered.discard(load)
             transfer.issued.set()
 
-        load = LayeredLoad(iter(layers), events, side, issued, self.layers_ahead)
+        load = LayeredLoad(iter(layers), events, side, issued, self.layers_ahead, on_layer)
         with self._lock:
             self._layered.add(load)
         load.issue_through(self.layers_ahead)

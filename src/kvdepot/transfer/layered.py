@@ -74,6 +74,11 @@ class LayerWaits:
         """Make ``stream`` wait for every copy of this load enqueued so far: after a failure, the
         copies that did go must not land in blocks already handed to their next owner."""
 
+    def enqueue_through(self, layer: int) -> None:
+        """Enqueue layers ``0..layer`` if they are not yet, making no stream wait: for a load whose
+        layers are signalled as they are enqueued (``LayeredLoad``'s ``on_layer``); raises
+        ``TransferFailed`` as ``wait_layer`` would. No-op where nothing is enqueued lazily."""
+
     def _wait(self, layer: int, stream: Any) -> None:
         raise NotImplementedError
 
@@ -82,16 +87,19 @@ class LayeredLoad(LayerWaits):
     """Layer ``l`` readable once ``events[l]`` has passed; copies enqueued lazily on ``side``."""
 
     def __init__(self, layers: Iterator[int], events: list[Any], side: Any,
-                 on_issued: Callable[[BaseException | None], None], ahead: int = LAYERS_AHEAD) -> None:
+                 on_issued: Callable[[BaseException | None], None], ahead: int = LAYERS_AHEAD,
+                 on_layer: Callable[[int, Any], None] | None = None) -> None:
         """``layers``: each ``next()`` enqueues the next layer on the current stream (the mover's
         ``scatter_layers``). ``on_issued(None)`` once every layer is enqueued, ``on_issued(error)``
         if one could not be. ``ahead``: layers enqueued past the one waited for (config
-        ``load_layers_ahead``)."""
+        ``load_layers_ahead``). ``on_layer(layer, side)``: called right after each layer's copies
+        and event are enqueued on ``side``, to enqueue more there (a server's interprocess event
+        for the layer, config ``layer_signals: copy-stream``); raising fails the load there."""
         super().__init__(len(events))
         self.ahead = ahead
         self.events = events
         self.issued = 0  # layers 0..issued-1 are enqueued and their events recorded
-        self._layers, self._side, self._on_issued = layers, side, on_issued
+        self._layers, self._side, self._on_issued, self._on_layer = layers, side, on_issued, on_layer
         self._failed: BaseException | None = None
         self._lock = threading.Lock()  # the forward's thread and a ``wait_all`` elsewhere may both issue
 
@@ -109,6 +117,8 @@ class LayeredLoad(LayerWaits):
                         if next(self._layers) != self.issued:
                             raise RuntimeError(f"a mover enqueued layers out of order (expected {self.issued})")
                         self.events[self.issued].record()
+                        if self._on_layer is not None:
+                            self._on_layer(self.issued, self._side)
                         self.issued += 1
             except BaseException as exc:
                 self._failed = exc
@@ -128,6 +138,9 @@ class LayeredLoad(LayerWaits):
 
     def wait_enqueued(self, stream: Any) -> None:
         stream.wait_stream(self._side)
+
+    def enqueue_through(self, layer: int) -> None:
+        self.issue_through(layer + 1)
 
     def abandon(self, reason: BaseException) -> None:
         with self._lock:
