@@ -41,20 +41,18 @@ class ScriptedLoad(LayerWaits):
         self.abandoned: BaseException | None = None
 
     def _wait(self, layer: int, stream: object) -> None:
-        if layer == self.hold_at:
-            self.held.set()
-            assert self.gate.wait(10)
-        if layer == self.fail_at:
-            raise TransferFailed(f"layer {layer} could not be enqueued")
-        self.log.append((self.name, "wait", layer))
+        self._step(layer, "wait")
 
     def enqueue_through(self, layer: int) -> None:  # records on issue (layer_signals: copy-stream)
+        self._step(layer, "enqueue")
+
+    def _step(self, layer: int, what: str) -> None:
         if layer == self.hold_at:
             self.held.set()
             assert self.gate.wait(10)
         if layer == self.fail_at:
             raise TransferFailed(f"layer {layer} could not be enqueued")
-        self.log.append((self.name, "enqueue", layer))
+        self.log.append((self.name, what, layer))
 
     def abandon(self, reason: BaseException) -> None:
         self.abandoned = reason
