@@ -2,6 +2,7 @@
 
     retrieve(keys, block_ids, skip_blocks=0, num_blocks=None, lease=None, stream=None) -> int
     retrieve_by_layer(...) -> (int, LayeredLoad | None)
+    retrieve_signalled(..., on_layer) -> the same, each layer signalled as enqueued (a server's)
     retrieve_async(..., by_layer=False) -> FinishedLoad      done in the call (nothing to overlap)
     can_load_by_layer() -> bool
     PoolLoads      the same loads into one more pool: ``loads_into(pool)`` / ``drop_loads(loads)``
@@ -126,7 +127,6 @@ class LoadPath:
     def retrieve_by_layer(
         self, keys: Sequence[ChunkKey], block_ids: Sequence[int], *, skip_blocks: int = 0,
         num_blocks: int | None = None, lease: Lease | None = None, stream: Any = None,
-        on_layer: Callable[[int, Any], None] | None = None,
     ) -> tuple[int, LayeredLoad | None]:
         """``retrieve``, copied layer by layer where it can be (``can_load_by_layer``): ``stream``
         is then *not* made to wait, and the caller must wait on the returned ``LayeredLoad``
@@ -135,8 +135,17 @@ class LoadPath:
         nobody waited for is enqueued by ``wait_all`` and the store handles' ``wait``.
         The load is ``None`` where it was done whole or nothing was loaded: ``stream`` then waits
         as after ``retrieve``. Raises ``TransferFailed`` where the copies cannot be enqueued
-        (now, or from the load's ``wait_layer`` later). ``on_layer``: called as each layer's
-        copies are enqueued, on their stream (``LayeredLoad``; a server's layer signals)."""
+        (now, or from the load's ``wait_layer`` later)."""
+        return self._retrieve(keys, block_ids, skip_blocks, num_blocks, lease, stream, by_layer=self.can_load_by_layer())
+
+    def retrieve_signalled(
+        self, keys: Sequence[ChunkKey], block_ids: Sequence[int], on_layer: Callable[[int, Any], None], *,
+        skip_blocks: int = 0, num_blocks: int | None = None, lease: Lease | None = None, stream: Any = None,
+    ) -> tuple[int, LayeredLoad | None]:
+        """``retrieve_by_layer`` whose layers are each signalled as they are enqueued:
+        ``on_layer(layer, copy stream)`` right after that layer's copies (``LayeredLoad``; a
+        server's interprocess events, config ``layer_signals: copy-stream``). Not part of the
+        ``Engine`` protocol: only a server needs it."""
         return self._retrieve(keys, block_ids, skip_blocks, num_blocks, lease, stream, by_layer=self.can_load_by_layer(),
                               on_layer=on_layer)
 

@@ -303,7 +303,10 @@ def _load(loads: LoadPath, keys: Sequence[ChunkKey], block_ids: Sequence[int], a
     """One load (by layer where asked), then ``after(layered load or None)``; its end in tokens."""
     load = None
     if by_layer:
-        end, load = loads.retrieve_by_layer(keys, block_ids, **args, on_layer=on_layer)
+        if on_layer is not None:
+            end, load = loads.retrieve_signalled(keys, block_ids, on_layer, **args)
+        else:
+            end, load = loads.retrieve_by_layer(keys, block_ids, **args)
     else:
         end = loads.retrieve(keys, block_ids, **args)
     if after is not None:
