@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -85,6 +86,8 @@ def _measure(layers: int, layer_bytes: int, compute_per_copy: float, rounds: int
     dst = torch.empty((layers, layer_bytes), dtype=torch.uint8, device=device)
     src = _pattern(dst.shape, 1, device)
     events = [torch.cuda.Event(interprocess=True) for _ in range(layers)]
+    for event in events:  # made on this device now (an event is created at its first record)
+        event.record()
     recorded = ctx.Value("i", 0, lock=False)
     commands, done = ctx.Queue(), ctx.Queue()
     copier = ctx.Process(target=_copier, args=(commands, done, dst, events, recorded), daemon=True)
@@ -151,8 +154,10 @@ def _pattern(shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor
 def _wait(recorded: Any, layer: int, forward: _Forward, events: list[torch.cuda.Event]) -> None:
     """The forward's wait for layer ``layer`` of another process's copies: only once that process
     has recorded the layer's event for this round (``recorded`` counts the layers it has)."""
+    deadline = time.monotonic() + 60
     while recorded.value <= layer:
-        pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"bench contexts: the copying process never recorded layer {layer}")
     forward.stream.wait_event(events[layer])
 
 
