@@ -36,6 +36,7 @@ import torch
 
 HOST_PACED_MS = 0.2  # a layer's mark passed this soon after the host enqueued it: the host paced it
 
+
 class _Forward:
     """The marks of one forward that ``split`` reads: (host seconds, CUDA event or None) at its
     start, after each layer's wait (in order), and at its end."""
@@ -113,11 +114,15 @@ class ForwardMarks:
     def __exit__(self, *exc: object) -> None:
         self._patches.close()
 
+    def _last_forward(self) -> _Forward:
+        """The last forward run inside the block (the one that gave the first token)."""
+        if self._last is None:
+            raise RuntimeError("no forward ran inside ForwardMarks")
+        return self._last
+
     def split(self) -> dict[str, float]:
         """The last forward's split (the one that gave the first token)."""
-        last = self._last
-        if last is None:
-            raise RuntimeError("no forward ran inside ForwardMarks")
+        last = self._last_forward()
         assert last.start is not None and last.end is not None
         return {"before ms": (last.start[0] - self._submitted) * 1e3,
                 "to layer 0 ms": last.since_start(last.layer0) * 1e3 if last.layer0 else 0.0,
@@ -126,9 +131,7 @@ class ForwardMarks:
     def pace(self) -> dict[str, float]:
         """Who paced the last forward past its layers' waits (module docstring): ``ms/layer``
         and ``host-paced layers`` (NaN and 0 with fewer than two layers)."""
-        last = self._last
-        if last is None:
-            raise RuntimeError("no forward ran inside ForwardMarks")
+        last = self._last_forward()
         assert last.start is not None
         device = [last.since_start(mark) * 1e3 for mark in last.layers]
         host = [(mark[0] - last.start[0]) * 1e3 for mark in last.layers]
