@@ -262,10 +262,3 @@ def test_lower_tier_hits_defaults_to_load_and_async_is_its_old_name():
     with pytest.raises(ConfigError, match=r"config key 'lower_tier_hits': value 'later' is not allowed; expected one of 'load', 'prefetch'"):
         load_config(lower_tier_hits="later")
 
-
-def test_layer_signals_takes_its_two_places_and_names_them_on_a_bad_one():
-    assert resolve_config(env={})[0].layer_signals == "record-stream"
-    assert resolve_config(env={"KVDEPOT_LAYER_SIGNALS": "copy-stream"})[0].layer_signals == "copy-stream"
-    with pytest.raises(ConfigError, match=r"config key 'layer_signals': value 'kernel' is not allowed; "
-                                          r"expected one of 'record-stream', 'copy-stream'"):
-        resolve_config(env={"KVDEPOT_LAYER_SIGNALS": "kernel"})

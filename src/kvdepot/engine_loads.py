@@ -144,7 +144,7 @@ class LoadPath:
     ) -> tuple[int, LayeredLoad | None]:
         """``retrieve_by_layer`` whose layers are each signalled as they are enqueued:
         ``on_layer(layer, copy stream)`` right after that layer's copies (``LayeredLoad``; a
-        server's interprocess events, config ``layer_signals: copy-stream``). Not part of the
+        server's interprocess events, ``server/layer_progress.py``). Not part of the
         ``Engine`` protocol: only a server needs it."""
         return self._retrieve(keys, block_ids, skip_blocks, num_blocks, lease, stream, by_layer=self.can_load_by_layer(),
                               on_layer=on_layer)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -32,18 +33,20 @@ LAYERS = 8
 
 
 class ScriptedLoad(LayerWaits):
-    """A load whose layer waits are logged, may be held at a layer, or fail at one."""
+    """A load whose layer enqueues are logged, may be held at a layer, or fail at one;
+    ``on_layer(layer)`` runs as each layer is enqueued, as ``LayeredLoad``'s records its event."""
 
-    def __init__(self, log: list, name: str = "a", hold_at: int | None = None, fail_at: int | None = None) -> None:
+    def __init__(self, log: list, name: str = "a", hold_at: int | None = None, fail_at: int | None = None,
+                 on_layer: Callable[[int], None] | None = None) -> None:
         super().__init__(LAYERS)
-        self.log, self.name, self.hold_at, self.fail_at = log, name, hold_at, fail_at
+        self.log, self.name, self.hold_at, self.fail_at, self.on_layer = log, name, hold_at, fail_at, on_layer
         self.gate, self.held = threading.Event(), threading.Event()
         self.abandoned: BaseException | None = None
 
     def _wait(self, layer: int, stream: object) -> None:
-        self._step(layer, "wait")
+        raise AssertionError("the server's issuer makes no stream wait for a layer")
 
-    def enqueue_through(self, layer: int) -> None:  # records on issue (layer_signals: copy-stream)
+    def enqueue_through(self, layer: int) -> None:  # a LayeredLoad records the layer's event as it enqueues it
         self._step(layer, "enqueue")
 
     def _step(self, layer: int, what: str) -> None:
@@ -53,6 +56,8 @@ class ScriptedLoad(LayerWaits):
         if layer == self.fail_at:
             raise TransferFailed(f"layer {layer} could not be enqueued")
         self.log.append((self.name, what, layer))
+        if self.on_layer is not None:
+            self.on_layer(layer)
 
     def abandon(self, reason: BaseException) -> None:
         self.abandoned = reason
@@ -61,12 +66,11 @@ class ScriptedLoad(LayerWaits):
         self.log.append((self.name, "fence", None))
 
 
-def _early(load: ScriptedLoad, issuer: LayerIssuer, deadline_ns: int = 0, on_issue: bool = False,
-           ) -> tuple[LayerProgress, list[int]]:
+def _early(load: ScriptedLoad, issuer: LayerIssuer, deadline_ns: int = 0) -> tuple[LayerProgress, list[int]]:
     progress = LayerProgress(1, LAYERS, deadline_ns)
     ended: list[int] = []
     start_early(load, progress, issuer, lambda layer: load.log.append((load.name, "record", layer)), None,
-                lambda: ended.append(1), on_issue=on_issue)
+                lambda: ended.append(1))
     return progress, ended
 
 
@@ -83,19 +87,21 @@ def _client(progress: LayerProgress, pool: ThreadPoolExecutor, timeout_s: float 
     return follow
 
 
-def test_reply_comes_before_the_last_layer_and_records_follow_each_wait():
+def test_reply_comes_before_the_last_layer_and_the_issuer_only_enqueues_the_rest_in_order():
+    """Each layer's event is recorded by the load as it enqueues the layer (on its copy stream):
+    the issuer makes no stream wait and records nothing itself while the load goes well."""
     log: list = []
     load = ScriptedLoad(log, hold_at=3)
     issuer = LayerIssuer("test-layers")
     try:
         progress, ended = _early(load, issuer)
         # What the reply carries: layer 0 recorded, the rest still to come on the issuer.
-        assert progress.recorded == 1 and log == [("a", "wait", 0), ("a", "record", 0)]
+        assert progress.recorded == 1 and log == [("a", "enqueue", 0)]
         progress.wait_past(2, 5.0)
-        assert progress.recorded == 3 and not issuer.idle and not ended  # held at layer 3's wait
+        assert progress.recorded == 3 and not issuer.idle and not ended  # held at layer 3's enqueue
         load.gate.set()
         assert issuer.drain(5)
-        assert log == [("a", step, layer) for layer in range(LAYERS) for step in ("wait", "record")]
+        assert log == [("a", "enqueue", layer) for layer in range(LAYERS)]
         assert progress.recorded == LAYERS and not progress.failed and ended == [1]
         assert load.abandoned is None
     finally:
@@ -117,7 +123,7 @@ def test_the_client_waits_for_each_layer_until_the_server_recorded_it():
             assert not waiting.done()  # layer 5 is held: the client must not go past it
             load.gate.set()
             waiting.result(5)
-            assert ("a", "record", 6) in log
+            assert ("a", "enqueue", 6) in log
             follow.through(LAYERS - 1)
             assert follow.ready == LAYERS
         finally:
@@ -136,7 +142,8 @@ def test_a_layer_not_enqueued_fails_that_layer_and_every_later_one_for_the_clien
             assert progress.recorded == 5 and "TransferFailed" in progress.failed and ended == [1]
             assert isinstance(load.abandoned, TransferFailed)  # nothing more of it is enqueued
             # The fence: the remaining events recorded after every copy that went, then failed.
-            assert log[-1 - (LAYERS - 5):] == [("a", "fence", None)] + [("a", "record", n) for n in range(5, LAYERS)]
+            assert log == ([("a", "enqueue", n) for n in range(5)] + [("a", "fence", None)]
+                           + [("a", "record", n) for n in range(5, LAYERS)])
             assert progress.fenced
             follow = _client(progress, pool)
             follow.through(4)  # recorded before the failure: still valid
@@ -145,32 +152,6 @@ def test_a_layer_not_enqueued_fails_that_layer_and_every_later_one_for_the_clien
                     follow.through(layer)
         finally:
             issuer.close()
-
-
-def test_with_records_on_issue_layers_are_only_enqueued_in_order_and_a_failure_still_fences():
-    """``layer_signals: copy-stream``: the load records each layer's event as it enqueues it, so
-    the issuer makes no stream wait and records nothing itself — until a failure, whose fence is
-    recorded as before, after every copy that went."""
-    log: list = []
-    load = ScriptedLoad(log, hold_at=1)
-    issuer = LayerIssuer("test-layers")
-    try:
-        progress, ended = _early(load, issuer, on_issue=True)
-        assert load.held.wait(5)  # the issuer, at layer 1
-        assert progress.recorded == 1 and log == [("a", "enqueue", 0)]
-        load.gate.set()
-        assert issuer.drain(5)
-        assert log == [("a", "enqueue", layer) for layer in range(LAYERS)]
-        assert progress.recorded == LAYERS and not progress.failed and ended == [1]
-        failing: list = []
-        load = ScriptedLoad(failing, fail_at=5)
-        progress, ended = _early(load, issuer, on_issue=True)
-        assert issuer.drain(5)
-        assert progress.recorded == 5 and "TransferFailed" in progress.failed and progress.fenced and ended == [1]
-        assert failing == ([("a", "enqueue", n) for n in range(5)] + [("a", "fence", None)]
-                           + [("a", "record", n) for n in range(5, LAYERS)])
-    finally:
-        issuer.close()
 
 
 def test_the_deadline_stops_the_issue_and_fails_the_rest():
@@ -184,7 +165,7 @@ def test_the_deadline_stops_the_issue_and_fails_the_rest():
         load.gate.set()
         assert issuer.drain(5)
         assert progress.recorded == 3 and "deadline" in progress.failed and ended == [1]
-        assert load.abandoned is not None and ("a", "wait", 3) not in log and progress.fenced
+        assert load.abandoned is not None and ("a", "enqueue", 3) not in log and progress.fenced
     finally:
         issuer.close()
 
@@ -199,8 +180,7 @@ def test_a_second_load_is_recorded_wholly_after_the_first():
         assert two.recorded == 0 and not [e for e in log if e[0] == "b"]
         first.gate.set()
         assert issuer.drain(5)
-        records = [(name, layer) for name, step, layer in log if step == "record"]
-        assert records == [("a", layer) for layer in range(LAYERS)] + [("b", layer) for layer in range(LAYERS)]
+        assert [(name, layer) for name, _, layer in log] == [("a", layer) for layer in range(LAYERS)] + [("b", layer) for layer in range(LAYERS)]
         assert one.recorded == two.recorded == LAYERS
     finally:
         issuer.close()

@@ -163,16 +163,15 @@ def test_old_peers_decode_the_new_fields_and_new_peers_the_old_messages():
 def test_each_word_follows_the_records_it_counts(pages):
     client, server = pages
     seen_at_record: list[tuple[int, Seen | None]] = []
-    log: list = []
-    load = ScriptedLoad(log)
 
-    def record(layer: int) -> None:
+    def record(layer: int) -> None:  # the load records the layer's event as it enqueues the layer
         seen_at_record.append((layer, client.read(1, LAYERS)))  # what a client could read meanwhile
 
+    load = ScriptedLoad([], on_layer=record)
     progress = LayerProgress(1, LAYERS, page=server)
     issuer = LayerIssuer("test-layers")
     try:
-        start_early(load, progress, issuer, record, None, lambda: None)
+        start_early(load, progress, issuer, lambda layer: None, None, lambda: None)
         assert issuer.drain(5)
     finally:
         issuer.close()
@@ -199,7 +198,7 @@ def test_a_failure_is_written_after_the_fence(pages, fail_at, deadline, failure)
     finally:
         issuer.close()
     stop = 5 if fail_at else 4
-    assert words[stop:] == [Seen(stop)] * (LAYERS - stop)  # the fence's records: no failure shown yet
+    assert words == [Seen(stop)] * (LAYERS - stop)  # the fence's records (the only ones made here): no failure shown yet
     assert client.read(1, LAYERS) == Seen(stop, failure, True)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abmp signals goals19
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abmp goals19
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -85,13 +85,6 @@ from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --dis
           PYTHONPATH=/tmp/site:$tree python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 $shape 2>&1 | grep -E "^batch"
         done
       done 2>&1 | tee "$OUT/ab19.txt" ;;
-    signals) # MP TTFT with the server's layer events recorded on a waiting stream (record-stream, the default)
-             # and on the copy stream (copy-stream), in that order and back (~5 min; issue 19's seventh pass)
-      for signals in record-stream copy-stream copy-stream record-stream; do
-        echo "## layer_signals $signals"
-        KVDEPOT_LAYER_SIGNALS=$signals KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes mp \
-          --lengths ${TTFT_LENGTHS:-16384,32768} 2>&1 | grep -E "^(mode|mp) "
-      done 2>&1 | tee "$OUT/signals.txt" ;;
     abmp) # TTFT in-process and MP, an older tree (OLD_SRC, as for ab19) and this one, old new new old (~6 min):
           # a change to the server's loads by layer, judged where it shows (the server runs the same tree)
       for tree in "${OLD_SRC:?set OLD_SRC to the src dir of an older tree}" src src "$OLD_SRC"; do

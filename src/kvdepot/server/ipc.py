@@ -302,25 +302,20 @@ class MappedPool:
             runtime, _ = _cuda()
             _check(runtime.cudaEventRecord(self._events[1], int(self.stream.cuda_stream)), "cudaEventRecord")
 
-    def signal_layers(self, load: LayerWaits, *, on_issue: bool = False) -> None:
-        """Record layer ``l``'s event once ``load``'s layer ``l`` is in, for every layer: this
-        stream waits for each layer in turn (which also enqueues a lazy load to the end); with
-        ``on_issue`` the load records them itself as it enqueues each layer (``record_layer_on``
-        as its ``on_layer``), so it is only enqueued to the end."""
-        if on_issue:
-            load.enqueue_through(len(self.layer_events) - 1)
-            return
-        for layer in range(len(self.layer_events)):
-            load.wait_layer(layer, self.stream)
-            self.record_layer(layer)
+    def signal_layers(self, load: LayerWaits) -> None:
+        """Have layer ``l``'s event recorded once ``load``'s layer ``l`` is in, for every layer:
+        the load records each as it enqueues the layer (``record_layer_on``, its ``on_layer``),
+        so it is only enqueued to the end here (``layer_progress.record_rest``: why there)."""
+        load.enqueue_through(len(self.layer_events) - 1)
 
     def record_layer(self, layer: int) -> None:
-        """Record layer ``layer``'s event on this stream (after the wait for that layer's copies)."""
+        """Record layer ``layer``'s event on this stream: a failed load's fence, after a wait for
+        every copy that went (``layer_progress``)."""
         self.record_layer_on(layer, self.stream)
 
     def record_layer_on(self, layer: int, stream: Any) -> None:
         """Record layer ``layer``'s event on ``stream``: a load's copy stream, right after that
-        layer's copies (config ``layer_signals: copy-stream``), or this pool's own."""
+        layer's copies, or this pool's own (``record_layer``)."""
         runtime, _ = _cuda()
         _check(runtime.cudaEventRecord(self.layer_events[layer], int(stream.cuda_stream)), "cudaEventRecord")
 

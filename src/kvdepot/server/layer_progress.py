@@ -16,7 +16,8 @@ Server side
     LoadBook                        a session's recent loads by id (LAYERS looks them up)
     LayerIssuer                     one shard's thread: jobs in order, so two loads' records of
                                     one event never interleave (later loads wait in its queue)
-    record_rest(...)                the job: per layer, deadline check, wait, record, advance
+    record_rest(...)                the job: per layer, deadline check, enqueue (the load records
+                                    the layer's event on its copy stream), advance
 Client side: ``layer_follow`` (``RemoteProgress``: the forward's wait, reading the server's
 progress page or asking LAYERS).
 
@@ -175,20 +176,23 @@ class LayerIssuer:
                     self._idle.notify_all()
 
 
-def record_rest(load: LayerWaits, progress: LayerProgress, record: Callable[[int], None],
-                stream: object, *, on_issue: bool = False) -> None:
-    """Enqueue and record layers ``progress.recorded..`` of ``load`` in order: per layer, refuse
-    past the deadline, make ``stream`` wait for the layer (which enqueues it), then ``record``
-    its interprocess event on ``stream`` and advance — or, ``on_issue``, enqueue the layer (the
-    load records its event on the copy stream as it does: ``layer_signals: copy-stream``) and
-    advance. On any failure ``load`` is abandoned (no further copies), the remaining events are
-    recorded after every copy that did go (the fence), and ``progress`` failed: the client's wait
-    for that layer raises, after waiting on the fence."""
+def record_rest(load: LayerWaits, progress: LayerProgress, record: Callable[[int], None], stream: object) -> None:
+    """Enqueue layers ``progress.recorded..`` of ``load`` in order: per layer, refuse past the
+    deadline, enqueue the layer (the load records its interprocess event on its copy stream right
+    after the layer's copies: ``LayeredLoad``'s ``on_layer``) and advance. On any failure ``load``
+    is abandoned (no further copies), the remaining events are ``record``ed on ``stream`` after
+    every copy that did go (the fence), and ``progress`` failed: the client's wait for that layer
+    raises, after waiting on the fence.
+
+    Why the copy stream and not a stream of the pool's own made to wait for each layer: that
+    waiting stream kept the server's context in the GPU's time-slice rotation for as long as the
+    copies ran, and the client's forward lost ~0.3 ms a layer to it (issue 19, seventh and eighth
+    passes in docs/perf-notes.md: MP TTFT 1.15x in-process at 16K and 32K, 1.02x without it)."""
     try:
         for layer in range(progress.recorded, progress.layers):
             if progress.deadline_ns and time.monotonic_ns() > progress.deadline_ns:
                 raise DeadlinePassed(f"the client's deadline passed before layer {layer} was enqueued")
-            _signal(load, layer, record, stream, on_issue)
+            load.enqueue_through(layer)
             progress.advance(layer + 1)
             time.sleep(0)  # let the loop thread answer the LAYERS waiting for this layer
     except Exception as exc:
@@ -198,15 +202,6 @@ def record_rest(load: LayerWaits, progress: LayerProgress, record: Callable[[int
         progress.fail(f"{type(exc).__name__}: {exc}", fenced, failure)
         if not isinstance(exc, (TransferFailed, DeadlinePassed)):
             logger.error("kvdepot server: layer %d of a load could not be signalled: %s", progress.recorded, exc)
-
-
-def _signal(load: LayerWaits, layer: int, record: Callable[[int], None], stream: object, on_issue: bool) -> None:
-    """Have layer ``layer``'s interprocess event recorded after its copies (module docstring)."""
-    if on_issue:
-        load.enqueue_through(layer)
-    else:
-        load.wait_layer(layer, stream)
-        record(layer)
 
 
 def _fence(load: LayerWaits, progress: LayerProgress, record: Callable[[int], None], stream: object) -> bool:
@@ -224,16 +219,14 @@ def _fence(load: LayerWaits, progress: LayerProgress, record: Callable[[int], No
 
 def start_early(load: LayerWaits, progress: LayerProgress, issuer: LayerIssuer, record: Callable[[int], None],
                 stream: object, on_end: Callable[[], None],
-                context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext, *,
-                on_issue: bool = False) -> None:
+                context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
     """Answer ``load`` early (call under the shard's lock, so ``issuer.idle`` stays true): layer 0
     is recorded now if no earlier load's layers wait in ``issuer`` (else it too is left to the
     issuer, behind them), the rest are queued; ``on_end`` runs once the job ends, however it ends.
-    A failure to record layer 0 here raises, and nothing is queued (``on_end`` is the caller's).
-    ``on_issue``: the load records each layer's event as it enqueues the layer (``record_rest``)."""
+    A failure to record layer 0 here raises, and nothing is queued (``on_end`` is the caller's)."""
     if issuer.idle:
         try:
-            _signal(load, 0, record, stream, on_issue)
+            load.enqueue_through(0)
         except BaseException as exc:
             load.abandon(exc)
             raise
@@ -242,7 +235,7 @@ def start_early(load: LayerWaits, progress: LayerProgress, issuer: LayerIssuer, 
     def job() -> None:
         try:
             with context():  # the pool's device, on the issuer's thread
-                record_rest(load, progress, record, stream, on_issue=on_issue)
+                record_rest(load, progress, record, stream)
         finally:
             on_end()
 

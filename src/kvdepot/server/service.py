@@ -269,24 +269,22 @@ class DepotService:
                 return p.RetrieveReply(end, loaded), [memoryview(rows.view(torch.uint8).reshape(-1).numpy())]
             layered: list[bool] = []
             by_layer = msg.by_layer and bool(reg.pool.layer_events)  # one per layer (checked at REGISTER)
-            # copy-stream: each layer's event recorded by the load as it enqueues the layer
-            on_issue = by_layer and self.config.layer_signals == "copy-stream"
 
             def signal(load: LayerWaits | None) -> None:  # what the client's stream will wait on
                 if load is None:
                     reg.pool.signal_client()
                 elif msg.early:
-                    early.append(self._answer_early(session, reg, load, admission, on_issue))
+                    early.append(self._answer_early(session, reg, load, admission))
                 else:
                     reg.shard.issuer.drain()  # an early load's records of these events come first
-                    reg.pool.signal_layers(load, on_issue=on_issue)
+                    reg.pool.signal_layers(load)
                 layered.append(load is not None)
 
             with _device(reg.pool.tensor):
                 reg.pool.wait_client(msg.synced)
                 end = reg.shard.retrieve(reg.pool.tensor, keys, msg.block_ids, msg.skip_blocks, msg.num_blocks, lease,
                                          stream=reg.pool.stream, after=signal, by_layer=by_layer,
-                                         admission=admission, on_layer=reg.pool.record_layer_on if on_issue else None)
+                                         admission=admission, on_layer=reg.pool.record_layer_on if by_layer else None)
             load_id, ready = early[0] if early else (0, 0)
             return p.RetrieveReply(end, max(0, end // B - msg.skip_blocks), any(layered), load_id, ready), []
         finally:
@@ -294,8 +292,8 @@ class DepotService:
                 admission.leave()
                 session.end_op()
 
-    def _answer_early(self, session: Session, reg: Registration, load: LayerWaits, admission: Admission,
-                      on_issue: bool) -> tuple[int, int]:
+    def _answer_early(self, session: Session, reg: Registration, load: LayerWaits,
+                      admission: Admission) -> tuple[int, int]:
         """Record what can be now, leave the rest to the shard's issuer (``layer_progress``): the
         reply goes before the load's later layers are enqueued. Runs under the shard's lock."""
         pool = reg.pool
@@ -306,7 +304,7 @@ class DepotService:
 
         progress = LayerProgress(next(self._load_ids), load.num_layers, admission.deadline_ns, pool.progress)
         start_early(load, progress, reg.shard.issuer, pool.record_layer, pool.stream, end,
-                    lambda: _device(pool.tensor), on_issue=on_issue)  # type: ignore[arg-type]
+                    lambda: _device(pool.tensor))  # type: ignore[arg-type]
         self.layer_loads.add(session.sid, progress)
         return progress.load_id, progress.recorded
 

@@ -94,7 +94,7 @@ class LayeredLoad(LayerWaits):
         if one could not be. ``ahead``: layers enqueued past the one waited for (config
         ``load_layers_ahead``). ``on_layer(layer, side)``: called right after each layer's copies
         and event are enqueued on ``side``, to enqueue more there (a server's interprocess event
-        for the layer, config ``layer_signals: copy-stream``); raising fails the load there."""
+        for the layer, ``server/layer_progress.py``); raising fails the load there."""
         super().__init__(len(events))
         self.ahead = ahead
         self.events = events
