@@ -5,10 +5,12 @@ Why: server mode's hits at 16K / 32K tokens sat 15% above in-process on an H100 
 AX and AY), and the forward marks showed the forward paced by the server's copies, ~0.3 ms per
 layer slower than in-process at both lengths (not in proportion to the bytes: a per-layer or
 per-time cost, not bandwidth), while 4K, whose copies end early in the forward, paid nothing.
-The server records each layer's interprocess event on a stream of its own that first waits for
-the layer's copies, so from the forward's start to the last layer's copies its context has work
+The server then recorded each layer's interprocess event on a stream of its own that first waited
+for the layer's copies, so from the forward's start to the last layer's copies its context had work
 pending on a stream that runs no copies; two contexts on one GPU without MPS share it by time
-slices. If that is the cost, recording on the copy stream itself should remove it.
+slices. If that was the cost, recording on the copy stream itself should remove it — and it did
+(run AZ, H100: record stream 1.19-1.23x a device hit, copy stream 1.08-1.10x; MP TTFT at 16K / 32K
+then matched in-process), so the server now records there (``server/layer_progress.py``).
 
 One process plays the engine: a "forward" of ``--layers`` layers, each a few bf16 matmuls sized
 so that a layer computes about as long as its KV takes to copy (``--compute-per-copy``), each
@@ -19,7 +21,7 @@ layer waiting first for its KV. The rows (rounds of each interleaved, medians):
 ``other process, copy stream``  a second process copies them and records each layer's
                                 interprocess event on its copy stream
 ``other process, record stream`` ... on a second stream made to wait for the copy (kvdepot's
-                                server today, ``server/ipc.py``)
+                                server until issue 19's eighth pass)
 ``other process, copies only``  the second process copies, the forward waits on nothing: what
                                 another context's copies alone cost
 
