@@ -312,6 +312,45 @@ def test_a_store_with_a_bad_id_in_its_lead_evicts_nothing_from_a_full_cache(make
     assert engine.lookup(keys) == N * TPB
 
 
+def test_a_store_books_the_chunks_past_its_lead_only_once_the_lead_is_enqueued(make, monkeypatch):
+    """Booking evicts, and on a GPU host it was a quarter of the time before a store's first copy
+    (issue 19): the lead's chunk is booked, its copies go, and only then the other chunks."""
+    engine, rows = make(lead=2)
+    log = engine.mover.moved
+    reserve = engine.host.reserve_many
+
+    def logged(keys, **kw):
+        log.append(("book", len(keys)))
+        return reserve(keys, **kw)
+
+    monkeypatch.setattr(engine.host, "reserve_many", logged)
+    src = _ids(1)
+    stored = rows[src].clone()
+    assert engine.store(_keys(engine), src).chunks == 3
+    engine.wait_all()
+    assert log == [("book", 1), ("gather", src[:2]), ("book", 2), ("gather", src[2:])]
+    poison = _poison(rows, 9)
+    assert engine.retrieve(_keys(engine), src) == N * TPB
+    expect = poison.clone()
+    expect[src] = stored
+    assert torch.equal(rows, expect)
+    _idle(engine)
+
+
+def test_a_store_with_a_bad_id_past_its_lead_evicts_only_for_its_lead_from_a_full_cache(make):
+    """The chunks past the lead are booked after the whole list is checked: a bad id there has
+    cost a full host tier only the chunk the lead's slot was taken from (the oldest)."""
+    engine, rows = make(lead=2, capacity=3)
+    keys = _keys(engine)
+    engine.store(keys, _ids(1)).wait()
+    with pytest.raises(LayoutError):
+        engine.store(_keys(engine, 1000), _bad(_ids(2), 7, "range", 0))
+    _idle(engine)
+    assert [engine.host.present(k) for k in keys] == [False, True, True]
+    assert engine.host.stats().used_bytes == 2 * engine.layout.chunk_bytes
+    _round_trip(engine, rows, 500)
+
+
 @pytest.mark.parametrize(("streams", "lead", "where"), [
     ("immediate", 2, "inside-lead"), ("immediate", 2, "past-lead"), ("immediate", 16, "whole"),
     ("cpu", 2, "past-lead"), ("immediate", 2, "negative-skip"),

@@ -6,9 +6,11 @@ loads by layer whose copies are simulated — so the path runs, and is timed, on
 REGISTER maps the client's progress page as a real server does (``serve_page``) and keeps nothing
 else; RETRIEVE makes a real ``LayeredLoad`` whose "driver call" per layer holds the GIL for
 ``GIL_US`` then sleeps the rest of ``ISSUE_US`` (a batch of copies: address lists in numpy, then
-``cuMemcpyBatchAsync`` without the GIL), and answers it early on a ``LayerIssuer`` exactly as
-``DepotService._answer_early`` does. Each layer's record time (CLOCK_MONOTONIC ns) goes to the
-shared file ``STAMPS``, for the client to measure how late it heard of it.
+``cuMemcpyBatchAsync`` without the GIL) and "records" each layer as it enqueues it (its
+``on_layer``, as the server's loads record a layer's event on the copy stream), and answers it
+early on a ``LayerIssuer`` exactly as ``DepotService._answer_early`` does. Each layer's record
+time (CLOCK_MONOTONIC ns) goes to the shared file ``STAMPS``, for the client to measure how late
+it heard of it.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ class SimulatedService(DepotService):
 
     def retrieve(self, peer: bytes, msg: p.Retrieve, payloads: p.Payloads) -> p.Reply:
         session = self._session(peer)
-        load = LayeredLoad(self._issue(), [_Event() for _ in range(self.layers)], None, lambda exc: None, self.ahead)
+        load = LayeredLoad(self._issue(), [_Event() for _ in range(self.layers)], None, lambda exc: None, self.ahead,
+                           on_layer=lambda layer, _side: self._record(layer))
         load.issue_through(self.ahead)  # as the engine does when it makes the load
         progress = LayerProgress(next(self.ids), self.layers, msg.deadline_ns, self.pages.get(session.sid))
         start_early(load, progress, self.issuer, self._record, _Stream(), lambda: None)

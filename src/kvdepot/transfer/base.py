@@ -110,6 +110,28 @@ class WholeMove:
         self._move()
 
 
+class LateMove:
+    """A ``Move`` made on its first use: a store whose later chunks are booked (and listed) only
+    after its lead is enqueued (``CacheEngine.store``), so the move over them cannot be made
+    before; every path calls ``head`` or ``rest`` only after the store's check, which books them."""
+
+    def __init__(self, make: Callable[[], Move]) -> None:
+        self._make: Callable[[], Move] | None = make
+        self._move: Move | None = None
+
+    def _get(self) -> Move:
+        if self._move is None:
+            make, self._make = self._make, None
+            self._move = make()  # type: ignore[misc]
+        return self._move
+
+    def head(self, max_bytes: int) -> None:
+        self._get().head(max_bytes)
+
+    def rest(self) -> None:
+        self._get().rest()
+
+
 class WholeLoads:
     """The capabilities of a mover that neither splits loads by layer nor batches driver calls."""
 
