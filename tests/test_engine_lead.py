@@ -300,18 +300,6 @@ def test_a_cpu_engine_checks_every_id_before_copying(make, op):
     _round_trip(engine, rows, 400)
 
 
-def test_a_store_with_a_bad_id_in_its_lead_evicts_nothing_from_a_full_cache(make):
-    """A bad id among a store's first blocks is refused before anything is reserved: as on a CPU
-    engine, a full host tier keeps its chunks."""
-    engine, rows = make(lead=2, capacity=3)
-    keys = _keys(engine)
-    engine.store(keys, _ids(1)).wait()
-    with pytest.raises(LayoutError):
-        engine.store(_keys(engine, 1000), _bad(_ids(2), 1, "range", 0))
-    _idle(engine)
-    assert engine.lookup(keys) == N * TPB
-
-
 def test_a_store_books_the_chunks_past_its_lead_only_once_the_lead_is_enqueued(make, monkeypatch):
     """Booking evicts, and on a GPU host it was a quarter of the time before a store's first copy
     (issue 19): the lead's chunk is booked, its copies go, and only then the other chunks."""
@@ -337,17 +325,19 @@ def test_a_store_books_the_chunks_past_its_lead_only_once_the_lead_is_enqueued(m
     _idle(engine)
 
 
-def test_a_store_with_a_bad_id_past_its_lead_evicts_only_for_its_lead_from_a_full_cache(make):
-    """The chunks past the lead are booked after the whole list is checked: a bad id there has
-    cost a full host tier only the chunk the lead's slot was taken from (the oldest)."""
+@pytest.mark.parametrize(("pos", "kept"), [(1, [True, True, True]), (7, [False, True, True])], ids=["in-lead", "past-lead"])
+def test_a_store_with_a_bad_id_costs_a_full_cache_at_most_its_leads_slot(make, pos, kept):
+    """A bad id among a store's first blocks is refused before anything is booked: as on a CPU
+    engine, a full host tier keeps its chunks. One past the lead is found before the chunks past
+    the lead are booked: it has cost only the chunk the lead's slot was taken from (the oldest)."""
     engine, rows = make(lead=2, capacity=3)
     keys = _keys(engine)
     engine.store(keys, _ids(1)).wait()
     with pytest.raises(LayoutError):
-        engine.store(_keys(engine, 1000), _bad(_ids(2), 7, "range", 0))
+        engine.store(_keys(engine, 1000), _bad(_ids(2), pos, "range", 0))
     _idle(engine)
-    assert [engine.host.present(k) for k in keys] == [False, True, True]
-    assert engine.host.stats().used_bytes == 2 * engine.layout.chunk_bytes
+    assert [engine.host.present(k) for k in keys] == kept
+    assert engine.host.stats().used_bytes == sum(kept) * engine.layout.chunk_bytes
     _round_trip(engine, rows, 500)
 
 
