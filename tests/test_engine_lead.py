@@ -228,6 +228,26 @@ def test_a_store_with_a_bad_id_past_the_lead_caches_nothing_and_leaks_nothing(ma
     _round_trip(engine, rows, 200)
 
 
+@pytest.mark.parametrize(("pos", "lead_went"), [(6, False), (7, True), (8, True)])
+def test_a_stores_lead_stops_at_a_cached_chunk(make, pos, lead_went):
+    """The lead's ids are checked as the list's first ``lead`` positions from where copies start;
+    a cached chunk inside that span must end the lead there, or the lead would copy (from outside
+    the pool, on a GPU) blocks at later positions whose ids nobody had checked."""
+    engine, rows = make(lead=7)  # 7 positions: chunk 0, cached chunk 1, a block of chunk 2
+    keys, src = _keys(engine), _ids(1)
+    engine.store(keys[1:2], src[BPC : 2 * BPC]).wait()
+    used = engine.host.stats().used_bytes
+    engine.mover.moved.clear()
+    with pytest.raises(LayoutError):
+        engine.store(keys, _bad(src, pos, "range", 0))
+    # Position 6 is inside the checked span: refused before anything; past it, only chunk 0 went.
+    assert engine.mover.moved == ([("gather", src[:BPC])] if lead_went else [])
+    _idle(engine)
+    assert [engine.host.present(k) for k in keys] == [False, True, False]
+    assert engine.host.stats().used_bytes == used
+    _round_trip(engine, rows, 600)
+
+
 # ---- checked before anything moves ---------------------------------------------------------
 
 

@@ -289,7 +289,11 @@ class CacheEngine(PoolsOwner):
                 self.host.commit(key, False)
 
         copies = [ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot) for c, slot in booked]
-        lead, rest = self._split_lead(copies, check)
+        # The lead's ids were checked as the list's positions ``start..start+lead``: it must not
+        # reach past a cached chunk into later positions, whose ids are not checked yet.
+        run = next((n for n, (c, _) in enumerate(booked) if c != booked[0][0] + n), len(booked))
+        lead, rest = self._split_lead(copies[:run], check)
+        rest += copies[run:]
         try:
             if booked and booked[0][0]:  # cached chunks first: the lead starts later
                 self._check_lead(block_ids, booked[0][0] * bpc, check)
