@@ -261,4 +261,3 @@ def test_lower_tier_hits_defaults_to_load_and_async_is_its_old_name():
     assert resolve_config(env={"KVDEPOT_LOWER_TIER_HITS": "async"})[0].lower_tier_hits == "load"  # warned once
     with pytest.raises(ConfigError, match=r"config key 'lower_tier_hits': value 'later' is not allowed; expected one of 'load', 'prefetch'"):
         load_config(lower_tier_hits="later")
-

@@ -124,4 +124,3 @@ def test_raw_cudamalloc_pool_by_cuda_ipc(workdir):
         assert rpc.returncode == 0 and "ok layered-rpc" in rpc.stdout, rpc.stderr
     finally:
         assert stop_server(proc) == 0, proc.log.read_text()  # type: ignore[attr-defined]
-

@@ -283,8 +283,8 @@ class DepotService:
             with _device(reg.pool.tensor):
                 reg.pool.wait_client(msg.synced)
                 end = reg.shard.retrieve(reg.pool.tensor, keys, msg.block_ids, msg.skip_blocks, msg.num_blocks, lease,
-                                         stream=reg.pool.stream, after=signal, by_layer=by_layer,
-                                         admission=admission, on_layer=reg.pool.record_layer_on if by_layer else None)
+                                         stream=reg.pool.stream, after=signal, admission=admission,
+                                         on_layer=reg.pool.record_layer_on if by_layer else None)
             load_id, ready = early[0] if early else (0, 0)
             return p.RetrieveReply(end, max(0, end // B - msg.skip_blocks), any(layered), load_id, ready), []
         finally:

@@ -130,31 +130,32 @@ class Shard:
         self, pool: torch.Tensor, keys: Sequence[ChunkKey], block_ids: Sequence[int], skip_blocks: int,
         num_blocks: int | None, lease: Hashable | None, stream: object = None,
         after: Callable[[LayerWaits | None], None] | None = None,
-        *, by_layer: bool = False, transient: bool = False, admission: Admission = OPEN,
-        on_layer: Callable[[int, Any], None] | None = None,
+        *, on_layer: Callable[[int, Any], None] | None = None, transient: bool = False, admission: Admission = OPEN,
     ) -> int:
         """Load; ``after(load)`` runs under the lock once the copy is enqueued (record events):
-        ``load`` is the layered load where ``by_layer`` asked for one and the engine made one
-        (``stream`` was then not made to wait), else None. A one-copy group loads a rank's
-        pool under that pool's own lock, beside the other ranks' loads. ``admission`` is entered
-        right before the copy (after any wait for a promotion); the caller leaves it.
-        ``on_layer``: a load by layer's signal of each layer, on its copy stream (``LayeredLoad``)."""
+        ``load`` is the layered load where one was asked for and the engine made one (``stream``
+        was then not made to wait), else None. A load by layer is asked for by its signal of each
+        layer, ``on_layer(layer, copy stream)``, made right after that layer's copies: a client
+        waits on nothing else (``layer_progress``). A one-copy group loads a rank's pool under
+        that pool's own lock, beside the other ranks' loads. ``admission`` is entered right
+        before the copy (after any wait for a promotion); the caller leaves it."""
         shared = self.group.one_copy and lease is not None  # the lookup's lease: _loaded() releases it
         args = dict(skip_blocks=skip_blocks, num_blocks=num_blocks, lease=None if shared else lease, stream=stream)
-        by_layer = by_layer and self.engine.config.load_by_layer == "auto"
+        if self.engine.config.load_by_layer != "auto":
+            on_layer = None
         try:
             if self.group.one_copy and not transient:
                 with self._pool_lock(pool) as loads:
                     if shared:
                         self.engine.wait_promotion(lease)  # its lower-tier chunks, read into host memory
                     admission.enter()
-                    return _load(loads, keys, block_ids, args, by_layer, after, on_layer)
+                    return _load(loads, keys, block_ids, args, after, on_layer)
             with self.lock:
                 self._attach(pool)
                 if shared:
                     self.engine.wait_promotion(lease)  # its lower-tier chunks, read into host memory
                 admission.enter()
-                end = _load(self.engine, keys, block_ids, args, by_layer, after, on_layer)
+                end = _load(self.engine, keys, block_ids, args, after, on_layer)
                 if transient:
                     self._detach_locked()
                 return end
@@ -298,15 +299,13 @@ class Group:
                 shard.forget(lease)
 
 
-def _load(loads: LoadPath, keys: Sequence[ChunkKey], block_ids: Sequence[int], args: dict[str, Any], by_layer: bool,
-          after: Callable[[LayerWaits | None], None] | None, on_layer: Callable[[int, Any], None] | None = None) -> int:
-    """One load (by layer where asked), then ``after(layered load or None)``; its end in tokens."""
+def _load(loads: LoadPath, keys: Sequence[ChunkKey], block_ids: Sequence[int], args: dict[str, Any],
+          after: Callable[[LayerWaits | None], None] | None, on_layer: Callable[[int, Any], None] | None) -> int:
+    """One load (by layer, each layer signalled, where ``on_layer`` asks), then ``after(layered
+    load or None)``; its end in tokens."""
     load = None
-    if by_layer:
-        if on_layer is not None:
-            end, load = loads.retrieve_signalled(keys, block_ids, on_layer, **args)
-        else:
-            end, load = loads.retrieve_by_layer(keys, block_ids, **args)
+    if on_layer is not None:
+        end, load = loads.retrieve_signalled(keys, block_ids, on_layer, **args)
     else:
         end = loads.retrieve(keys, block_ids, **args)
     if after is not None:
