@@ -7,11 +7,13 @@ import argparse
 import math
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from kvdepot.bench import bookkeeping, dma_ceiling, transfer
 from kvdepot.bench.common import paired_seconds
+from kvdepot.transfer.plan import CopyList
 
 
 def _args(module, *argv: str) -> argparse.Namespace:
@@ -52,15 +54,31 @@ def test_bench_bookkeeping_times_each_shape_and_path(sweep):
         if r["path"] == "batch":  # a copy was issued after the call began, and all of it by the end
             assert 0 < r["first copy us"] <= r["all issued us"]
             assert 0 <= r["longest gap us"] < r["all issued us"] - r["first copy us"]
+            assert r["engines idle us"] >= 0 and r["copies end us"] > r["first copy us"]
         else:
             assert math.isnan(r["first copy us"]) and math.isnan(r["longest gap us"])
 
 
+def _calls(*spans: tuple[float, float, bool], nbytes: int = 0) -> list[tuple]:
+    """Stamped calls of ``nbytes`` each (one copy of that size)."""
+    listing = CopyList(np.array([[0], [0], [nbytes]], dtype=np.int64))
+    return [(enter, leave, to_host, listing, 0, 1) for enter, leave, to_host in spans]
+
+
 def test_the_longest_gap_is_between_calls_of_one_direction_with_none_in_the_driver():
-    stamps = bookkeeping.Stamps([(0.0, 1.0, True), (0.5, 3.0, True), (2.0, 2.5, False), (7.0, 8.0, True),
-                                 (4.0, 4.5, True), (9.5, 10.0, False)])
+    stamps = bookkeeping.Stamps(_calls((0.0, 1.0, True), (0.5, 3.0, True), (2.0, 2.5, False), (7.0, 8.0, True),
+                                       (4.0, 4.5, True), (9.5, 10.0, False)))
     assert stamps.longest_gap(True) == 2.5  # 4.5 -> 7.0; 1.0 -> 4.0 is covered by the call to 3.0
     assert stamps.longest_gap(False) == 7.0
+
+
+def test_the_simulated_engine_runs_dry_only_where_the_calls_fall_behind_its_copies():
+    # 2 GB of copies per call at 1 GB/s: 2 s each, from when the call returned, after the ones before.
+    stamps = bookkeeping.Stamps(_calls((0.0, 1.0, True), (1.5, 2.0, True), (5.5, 6.0, True), (0.0, 9.0, False),
+                                       nbytes=2 * 10**9))
+    idle, end = stamps.engines(True, 1.0)
+    assert (idle, end) == (1.0, 8.0)  # 1-3, 3-5 busy; dry 5-6; 6-8
+    assert stamps.engines(False, 1.0) == (0.0, 11.0)
 
 
 @pytest.mark.parametrize(("argv", "named"), [(["--block-kib", "256,x"], "--block-kib"), (["--block-kib", "0"], "--block-kib"),

@@ -58,26 +58,40 @@ class NullMover(PerChunk):
 
 @dataclass
 class Stamps:
-    """When each stubbed driver call was entered and left (perf_counter seconds), and its direction."""
+    """When each stubbed driver call was entered and left (perf_counter seconds), its direction,
+    and what it was handed (its copy list and window, for the bytes)."""
 
-    calls: list[tuple[float, float, bool]] = field(default_factory=list)  # (enter, leave, to_host)
+    calls: list[tuple[float, float, bool, Any, int, int]] = field(default_factory=list)  # (enter, leave, to_host, list, lo, hi)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def first(self, to_host: bool) -> float:
-        return min(enter for enter, _, d in self.calls if d == to_host)
+        return min(c[0] for c in self.calls if c[2] == to_host)
 
     def last(self, to_host: bool) -> float:
-        return max(leave for _, leave, d in self.calls if d == to_host)
+        return max(c[1] for c in self.calls if c[2] == to_host)
 
     def longest_gap(self, to_host: bool) -> float:
         """The longest time between the calls of one direction with none of them in the driver:
         where the copy engines would run dry if the copies took no longer than their calls."""
         gap, busy_until = 0.0, None
-        for enter, leave, _ in sorted(c for c in self.calls if c[2] == to_host):
+        for enter, leave, *_ in sorted(c for c in self.calls if c[2] == to_host):
             if busy_until is not None:
                 gap = max(gap, enter - busy_until)
             busy_until = leave if busy_until is None else max(busy_until, leave)
         return gap
+
+    def engines(self, to_host: bool, gbps: float) -> tuple[float, float]:
+        """(idle, end) of a simulated copy engine fed by these calls at ``gbps``: each call's
+        copies start once it has returned (the driver hands a batch over whole) and after the
+        ones before; idle counts the time it ran dry between the first copy and the last. Whether
+        the host work stays ahead of a GPU's copies, told on a machine without one (issue 19)."""
+        idle, busy = 0.0, None
+        for _, leave, _, copies, lo, hi in sorted((c for c in self.calls if c[2] == to_host), key=lambda c: c[1]):
+            nbytes = int(copies.table[2, lo:hi].sum())
+            if busy is not None and leave > busy:
+                idle += leave - busy
+            busy = max(busy if busy is not None else leave, leave) + nbytes / (gbps * 1e9)
+        return idle, busy if busy is not None else float("nan")
 
 
 class StubDriver:
@@ -124,7 +138,7 @@ class StubDriver:
         to_host = not self.pool[0] <= int(copies.dst[lo]) < self.pool[1]
         self._memset(self._scratch, 0, min(len(self._scratch), int((hi - lo) * self.us_per_copy * self._bytes_per_us)))
         with self.stamps.lock:
-            self.stamps.calls.append((enter, time.perf_counter(), to_host))
+            self.stamps.calls.append((enter, time.perf_counter(), to_host, copies, lo, hi))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +154,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-mib", type=int, default=0,
                         help="MiB written before each timed operation, as the last operation's DMA sweeps the host's "
                              "caches on a GPU (H200 host: numpy calls then cost 5-15x their hot-loop time); 0: none")
+    parser.add_argument("--pcie-gbps", type=float, default=55.0,
+                        help="batch path: the simulated copy engine's rate, GB/s (the H200's pinned memcpy: 55)")
     parser.add_argument("--profile", action="store_true", help="also print cProfile's top 25 functions of each path and shape")
     add_output_arguments(parser)
 
@@ -229,9 +245,8 @@ def _bookkeeping(rig: Rig, reps: int) -> dict[str, list[float]]:
     return times
 
 
-def _batch(rig: Rig, reps: int, stamps: Stamps) -> dict[str, list[tuple[float, float, float]]]:
-    """Per op, (call returned, first driver call entered, last one left, longest gap between
-    calls) in us from the call."""
+def _batch(rig: Rig, reps: int, stamps: Stamps, gbps: float) -> dict[str, list[tuple[float, ...]]]:
+    """Per op, ``_row``'s figures in us from the call."""
     engine, held = rig.engine, rig.held[0]
     out: dict[str, list[tuple[float, ...]]] = {"store": [], "retrieve": [], "both: store": [], "both: retrieve": []}
     for n in range(reps):
@@ -241,14 +256,14 @@ def _batch(rig: Rig, reps: int, stamps: Stamps) -> dict[str, list[tuple[float, f
         handle = _store(rig, 2 * n)
         t1 = time.perf_counter()
         handle.wait()
-        out["store"].append(_row(stamps, True, t0, t1))
+        out["store"].append(_row(stamps, True, t0, t1, gbps))
         engine.lookup(held, lease=n)
         rig.sweep()
         stamps.calls.clear()
         t0 = time.perf_counter()
         _retrieve(rig, n)
         t1 = time.perf_counter()
-        out["retrieve"].append(_row(stamps, False, t0, t1))
+        out["retrieve"].append(_row(stamps, False, t0, t1, gbps))
         # Both at once, as bench transfer's row: a store, then a load right behind it.
         engine.lookup(held, lease=("both", n))
         rig.sweep()
@@ -259,15 +274,17 @@ def _batch(rig: Rig, reps: int, stamps: Stamps) -> dict[str, list[tuple[float, f
         _retrieve(rig, ("both", n))  # type: ignore[arg-type]
         t2 = time.perf_counter()
         handle.wait()
-        out["both: store"].append(_row(stamps, True, t0, t1))
-        out["both: retrieve"].append(_row(stamps, False, t0, t2))
+        out["both: store"].append(_row(stamps, True, t0, t1, gbps))
+        out["both: retrieve"].append(_row(stamps, False, t0, t2, gbps))
     return out
 
 
-def _row(stamps: Stamps, to_host: bool, t0: float, returned: float) -> tuple[float, float, float, float]:
-    """(call returned, first driver call entered, last one left, longest gap) in us from ``t0``."""
+def _row(stamps: Stamps, to_host: bool, t0: float, returned: float, gbps: float) -> tuple[float, ...]:
+    """(call returned, first driver call entered, last one left, longest gap, simulated engines'
+    idle time and end) in us from ``t0``."""
+    idle, end = stamps.engines(to_host, gbps)
     return ((returned - t0) * 1e6, (stamps.first(to_host) - t0) * 1e6, (stamps.last(to_host) - t0) * 1e6,
-            stamps.longest_gap(to_host) * 1e6)
+            stamps.longest_gap(to_host) * 1e6, idle * 1e6, (end - t0) * 1e6)
 
 
 def _check_idle(engine: Any) -> None:
@@ -283,10 +300,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     report = Report(args, steps=len(shapes) * len(paths), name="bench bookkeeping",
                     bars=Bars(("shape", "path", "op"), ("call us", "first copy us", "all issued us", "longest gap us"),
                               "us per call"))
+    columns = ("call us", "first copy us", "all issued us", "longest gap us", "engines idle us", "copies end us")
     report.note(f"kvdepot bench bookkeeping — host time per operation of {args.blocks} blocks, no copies (CPU), "
                 f"{args.reps} reps, medians in us from the call: 'call' until it returned, 'first copy' until the "
                 "first (stubbed) driver call, 'all issued' until the last one returned; 'longest gap': the longest time "
-                "between its driver calls with none in the driver (a store's hand-off to its issuer shows there)")
+                "between its driver calls with none in the driver (a store's hand-off to its issuer shows there); "
+                f"'engines idle', 'copies end': a copy engine simulated at {args.pcie_gbps:g} GB/s, fed by those calls "
+                "(each call's copies start once it has returned): its idle time after the first copy, and when it ends")
     report.table("", shape=16, path=11, op=14)
     for model, tpb in shapes:
         layers, heads, dim = MODELS[model]
@@ -295,18 +315,16 @@ def run(args: argparse.Namespace) -> list[dict]:
             profiler = cProfile.Profile() if args.profile else None
             with report.step(f"{shape} {path}"):
                 rows = _measure(path, (layers, heads, dim, tpb), args, profiler)
-            for op, call, first, issued, gap in rows:
-                report.add({"shape": shape, "path": path, "op": op, "call us": call, "first copy us": first,
-                            "all issued us": issued, "longest gap us": gap})
+            for op, *values in rows:
+                report.add({"shape": shape, "path": path, "op": op, **dict(zip(columns, values, strict=True))})
             if profiler:
                 pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     return report.finish()
 
 
 def _measure(path: str, shape: tuple[int, int, int, int], args: argparse.Namespace,
-             profiler: cProfile.Profile | None) -> list[tuple[str, float, float, float, float]]:
-    """Rows (op, call us, first copy us, all issued us, longest gap us) of one path and shape
-    (NaN: not a copy)."""
+             profiler: cProfile.Profile | None) -> list[tuple[Any, ...]]:
+    """Rows (op, and the ``columns`` of ``run``) of one path and shape (NaN: not a copy)."""
     from kvdepot.transfer.streams import CUDA, ImmediateStreams
 
     nan = float("nan")
@@ -315,7 +333,7 @@ def _measure(path: str, shape: tuple[int, int, int, int], args: argparse.Namespa
         with _profiling(profiler):
             times = _bookkeeping(rig, args.reps)
         _check_idle(rig.engine)
-        return [(op, statistics.median(values), nan, nan, nan) for op, values in times.items()]
+        return [(op, statistics.median(values), nan, nan, nan, nan, nan) for op, values in times.items()]
     if path != "batch":
         raise SystemExit(f"unknown path {path!r}: expected bookkeeping or batch")
     from kvdepot.transfer import BatchBlockMover
@@ -326,9 +344,9 @@ def _measure(path: str, shape: tuple[int, int, int, int], args: argparse.Namespa
     view = rig.engine._views[0]
     driver.pool = (view.data_ptr(), view.data_ptr() + view.numel())
     with _profiling(profiler):
-        samples = _batch(rig, args.reps, stamps)
+        samples = _batch(rig, args.reps, stamps, args.pcie_gbps)
     _check_idle(rig.engine)
-    return [(op, *(statistics.median(s[i] for s in values) for i in range(4))) for op, values in samples.items()]
+    return [(op, *(statistics.median(s[i] for s in values) for i in range(6))) for op, values in samples.items()]
 
 
 @contextlib.contextmanager
