@@ -279,14 +279,13 @@ class CacheEngine(PoolsOwner):
         stored = [keys[c] for c, _ in booked]
 
         def commit() -> None:
-            for key in stored:
-                self.host.commit(key, True)
-                if self.lower is not None:  # never blocks: a full queue drops and counts
+            self.host.commit_many(stored, True)
+            if self.lower is not None:  # never blocks: a full queue drops and counts
+                for key in stored:
                     self.lower.write_behind(key, self._provider(key))
 
         def rollback() -> None:
-            for key in stored:
-                self.host.commit(key, False)
+            self.host.commit_many(stored, False)
 
         copies = [ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot) for c, slot in booked]
         # The lead's ids were checked as the list's positions ``start..start+lead``: it must not
@@ -332,8 +331,7 @@ class CacheEngine(PoolsOwner):
         left out."""
         with self._lock:
             self._poll_locked()
-            slots = self.host.reserve_many(keys[lo:hi])
-            self._stats.dropped_stores = self.host.stats().dropped
+            slots = self.host.reserve_many(keys[lo:hi])  # drops are counted by the tier (``stats``)
         return [(lo + n, slot) for n, slot in enumerate(slots) if slot is not None]
 
     def _provider(self, key: ChunkKey) -> Callable[[], bytes | None]:

@@ -66,6 +66,40 @@ def test_two_phase_write():
     assert (stats.puts, stats.chunks, stats.used_bytes, stats.capacity_bytes) == (1, 1, SLOT, 3 * SLOT)
 
 
+class _Recorder:
+    """An event sink that keeps what it is told."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[bytes]]] = []
+
+    def stored(self, medium, keys) -> None:
+        self.calls.append(("stored", list(keys)))
+
+    def removed(self, medium, keys) -> None:
+        self.calls.append(("removed", list(keys)))
+
+    def cleared(self) -> None:
+        self.calls.append(("cleared", []))
+
+
+def test_commit_many_commits_each_and_tells_the_ones_made_ready_in_one_event():
+    """A store's chunks commit together after its last copy: ``commit`` of each, in one event."""
+    sink = _Recorder()
+    tier = HostTier(4 * SLOT, SLOT, clock=FakeClock(), events=sink)
+    put(tier, key(1), 1)
+    for i in (2, 3):
+        tier.reserve(key(i)).fill_(i)
+    sink.calls.clear()
+    tier.commit_many([key(1), key(2), key(9), key(3)], True)  # 1 READY already, 9 never reserved
+    assert sink.calls == [("stored", [key(2), key(3)])]
+    verify_contents(tier, {key(1): 1, key(2): 2, key(3): 3})
+    assert tier.stats().puts == 3
+    tier.reserve(key(4))
+    tier.commit_many([key(4), key(2)], False)  # a failed write frees its slot; a READY chunk stays
+    assert not tier.present(key(4)) and tier.contains(key(2))
+    assert sink.calls == [("stored", [key(2), key(3)])]  # nothing was made READY or dropped from READY
+
+
 def test_failed_write_frees_the_slot():
     tier = HostTier(1 * SLOT, SLOT, clock=FakeClock())
     assert tier.reserve(key(1)) is not None

@@ -20,13 +20,13 @@ from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 from kvdepot.layout import PoolLayout
 from kvdepot.transfer import BatchBlockMover
-from kvdepot.transfer.streams import ImmediateStreams
+from kvdepot.transfer.streams import ImmediateEvent, ImmediateStream, ImmediateStreams
 
 TPB, BPC, BLOCKS = 4, 2, 24
 ISSUER = "kvdepot-store-issuer"
 
 
-def _engine(driver: HostDriver, head_blocks: float = 64, seed: int = 0):
+def _engine(driver: HostDriver, head_blocks: float = 64, seed: int = 0, streams: ImmediateStreams | None = None):
     """An engine over a CPU pool of random bytes whose batch mover's windows are one block's
     bytes doubling to four, and whose caller may enqueue ``head_blocks`` blocks' worth of a store."""
     gen = torch.Generator().manual_seed(seed)
@@ -36,7 +36,7 @@ def _engine(driver: HostDriver, head_blocks: float = 64, seed: int = 0):
     config = load_config(chunk_size=TPB * BPC, host_capacity_gb=64 * BPC * per_block / 1e9, pin_host_memory="false",
                          store_head_mib=head_blocks * per_block / 2**20)
     mover = BatchBlockMover(window_bytes=4 * per_block, first_window_bytes=per_block, early_bytes=0, driver=driver)
-    engine = CacheEngine(layout, config, mover=mover, streams=ImmediateStreams())
+    engine = CacheEngine(layout, config, mover=mover, streams=streams or ImmediateStreams())
     engine.register_pool(pool)
     return engine, pool.view(torch.uint8).view(BLOCKS, -1)
 
@@ -137,6 +137,53 @@ def test_an_idle_issuer_gets_the_store_after_the_callers_head_and_a_busy_one_get
     _done(handle, other)
     assert [c["thread"] for c in driver.calls[2:]] == [ISSUER] * (len(driver.calls) - 2)
     _both_load_back(engine, rows, first, second)
+
+
+class _LateEvent(ImmediateEvent):
+    """An event whose copies are still running until someone synchronizes on it; counts the
+    queries made after that."""
+
+    def __init__(self) -> None:
+        self.synchronized, self.queries_after = False, 0
+
+    def query(self) -> bool:
+        self.queries_after += self.synchronized
+        return self.synchronized
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+
+class _LateStreams(ImmediateStreams):
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[_LateEvent] = []
+
+    def streams(self, device, count):
+        kit = self
+
+        class Stream(ImmediateStream):
+            def record_event(self, event=None):
+                kit.events.append(_LateEvent())
+                return kit.events[-1]
+
+        return tuple(Stream(device) for _ in range(count))
+
+
+def test_a_waited_store_commits_once_its_event_passed_without_asking_the_driver_again():
+    """Between a store's last copy and its waiter's return stands only the commit (issue 19):
+    the poll after the wait's synchronize does not query the event again; the chunks are READY."""
+    kit = _LateStreams()
+    engine, _rows = _engine(HostDriver(), streams=kit)
+    keys = engine.chunk_keys(list(range(16)))
+    handle = engine.store(keys, [3, 9, 4, 17])
+    assert not handle.done()  # its event has not passed: nobody synchronized on it yet
+    handle.wait()
+    assert kit.events and kit.events[-1].synchronized
+    assert sum(e.queries_after for e in kit.events) == 0
+    assert engine.lookup(keys) == 16
+    _idle(engine)
+    engine.close()
 
 
 def test_without_a_head_the_issuer_enqueues_every_copy_of_a_store():

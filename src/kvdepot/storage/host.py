@@ -265,20 +265,32 @@ class HostTier:
                     slots.append(None)
                     continue
             self._slot_of[key] = self._free.pop()
+            # Ranked now, not at commit: a WRITING slot is never a victim (``_evict_one`` takes
+            # READY ones), and the commit runs after the store's last copy, on its waiter's clock.
+            self._policy.touch(key)
             slots.append(self.slot(key))
         return slots
 
     def commit(self, key: ChunkKey, ok: bool) -> None:
         """Finish a write: READY on success, FREE again on failure."""
-        if key not in self._slot_of or key in self._ready:
-            return
-        if ok:
-            self._ready.add(key)
-            self._policy.touch(key)
-            self._stats.puts += 1
-            self._events.stored(Medium.HOST, (key,))
-        else:
-            self._drop(key)
+        self.commit_many((key,), ok)
+
+    def commit_many(self, keys: Sequence[ChunkKey], ok: bool) -> None:
+        """``commit`` each of ``keys``, with one event for those made READY: a store's chunks
+        commit once its copies have landed, in the time between its last copy and its waiter's
+        return (issue 19: host time there counts against a small store as much as before its first)."""
+        done = []
+        for key in keys:
+            if key not in self._slot_of or key in self._ready:
+                continue
+            if ok:
+                self._ready.add(key)
+                done.append(key)
+            else:
+                self._drop(key)
+        if done:
+            self._stats.puts += len(done)
+            self._events.stored(Medium.HOST, done)
 
     # ---- reads under leases --------------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey], lease: Hashable | None = None, timeout_s: float = math.inf) -> int:

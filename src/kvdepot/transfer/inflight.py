@@ -105,17 +105,21 @@ class _Transfer:
     event: Any = None  # recorded after the copies; None until then, and after a failed issue
     issued: _Flag = field(default_factory=_Flag)
     failed: bool = False
+    passed: bool = False  # a waiter saw the event pass: no need to ask the driver again
 
     def finished(self) -> bool:
-        return self.issued.is_set() and (self.event is None or self.event.query())
+        return self.issued.is_set() and (self.passed or self.event is None or self.event.query())
 
     def complete(self) -> None:
         (self.on_fail if self.failed else self.on_done)()
 
     def synchronize(self) -> None:
+        """Block until the copies ran. Between the last copy and the waiter's return nothing of
+        ours should stand but the commit (issue 19): the poll after this skips a second query."""
         self.issued.wait()
         if self.event is not None:
             self.event.synchronize()
+        self.passed = True
 
 
 class InflightTransfers:
