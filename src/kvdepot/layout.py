@@ -13,6 +13,7 @@ of a request's block list.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -99,12 +100,14 @@ class PoolLayout:
     def element_size(self) -> int:
         return self.dtype.itemsize  # NOTE: not torch.empty((), dtype).element_size(): ~5 us a call
 
-    @property
+    # Cached (in the instance's dict, which a frozen dataclass still has): every store and load
+    # reads these before its first copy, on a GPU host with cold caches (issue 19).
+    @functools.cached_property
     def bytes_per_block(self) -> int:
         """Bytes of one block across all layers, K and V: what the leader sizes tiers by."""
         return self.num_layers * self.kv_factor * self.block_elems * self.element_size
 
-    @property
+    @functools.cached_property
     def blocks_per_chunk(self) -> int:
         return self.chunk_size // self.tokens_per_block
 

@@ -172,7 +172,9 @@ class CudaDriver:
         stream.wait_stream(lane)
 
     def copy(self, copies: CopyList, lo: int, hi: int, stream: Any) -> None:
-        bound = self._bound.__dict__.setdefault("devices", set())
+        bound = self._bound.__dict__.get("devices")
+        if bound is None:
+            bound = self._bound.devices = set()
         if stream.device_index not in bound:
             # NOTE: a driver call needs the device's context current on this thread, which only a
             # runtime call makes it (a thread's first): without one, a thread that has so far only

@@ -55,6 +55,12 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
+# (event, stream): what ``Event.record(stream)`` and ``stream.wait_event(event)`` end in (a CPU
+# build of torch has no such C methods: its wrappers then, which nothing calls without CUDA).
+_RECORD = getattr(torch._C._CudaEventBase, "record", torch.cuda.Event.record)
+_WAIT = getattr(torch._C._CudaEventBase, "wait", torch.cuda.Event.wait)
+
+
 class _Using:
     """``torch.cuda.stream(stream)`` in a third of its time (~10 us on the H200's host, twice per
     transfer): the previous streams of the current device and of ``stream``'s, set back on exit;
@@ -101,13 +107,17 @@ class CudaStreams:
 
     def after(self, stream: Any, other: Any) -> None:
         # ``stream.wait_stream(other)`` with one event per thread and device, recorded again each
-        # time (a wait holds the record it was enqueued after), not a new event per transfer.
-        events = self._events.__dict__.setdefault("by_device", {})
+        # time (a wait holds the record it was enqueued after), not a new event per transfer; by
+        # torch's C methods, under the three Python frames of its wrappers, since every store and
+        # load makes this call before its first copy (issue 19).
+        events = self._events.__dict__.get("by_device")
+        if events is None:
+            events = self._events.by_device = {}
         event = events.get(other.device_index)
         if event is None:
             event = events[other.device_index] = torch.cuda.Event()
-        event.record(other)
-        stream.wait_event(event)
+        _RECORD(event, other)
+        _WAIT(event, stream)
 
 
 CUDA = CudaStreams()
