@@ -13,7 +13,7 @@ from pools import HostDriver, host_buffer, make_pool, random_bytes, run_on_side_
 
 from kvdepot.transfer import BatchBlockMover, TorchBlockMover, cuda_batch
 from kvdepot.transfer.base import ChunkCopy
-from kvdepot.transfer.batch import window_bounds
+from kvdepot.transfer.batch import EARLY_COPIES, window_bounds
 from kvdepot.transfer.plan import CopyList
 
 
@@ -200,13 +200,13 @@ def test_batch_mover_never_spans_two_host_registrations_that_touch():
 # ---- a store in two parts: head (the engine's caller) and rest (its issuer) ----------------------
 
 
-def _store_case(seed: int = 5, chunks: int = 6):
+def _store_case(seed: int = 5, chunks: int = 6, num_blocks: int = 16):
     """A pool, a store of ``chunks`` chunks of two blocks, the bytes it must produce, and windows
     of one block's bytes doubling to four (so a move has several)."""
-    c = dict(num_blocks=16, layers=2, kv=2, elems=16, dtype=torch.float16, per_layer=False, seed=seed)
+    c = dict(num_blocks=num_blocks, layers=2, kv=2, elems=16, dtype=torch.float16, per_layer=False, seed=seed)
     pool, views, gen = make_pool(c, "cpu")
     per_block = views[0].shape[1]
-    ids = torch.randperm(16, generator=gen).tolist()
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
     copies = [ChunkCopy(ids[2 * k : 2 * k + 2], random_bytes((2 * per_block,), gen)) for k in range(chunks)]
     expected = [cp.host.clone() for cp in copies]
     TorchBlockMover().gather_many(views, [ChunkCopy(cp.block_ids, e) for cp, e in zip(copies, expected, strict=True)])
@@ -237,12 +237,12 @@ def test_a_head_takes_windows_up_to_its_bytes_and_the_rest_takes_the_others_once
 @pytest.mark.parametrize("to_host", [True, False])
 @pytest.mark.parametrize(("early_blocks", "calls"), [
     (3, [[1, 1, 1], [1] * 4, [1] * 4, [1]]),  # a byte bound that splits the second chunk; numpy lists the rest
-    (100, [[1] * 4] * 3),  # Python windows (4 copies, then up to 8 but a window's 4 blocks) list it all
+    (100, [[1] * 4] * 3),  # Python windows (up to 16 copies, but a window's 4 blocks) list it all
     (0, [[1], [1, 1], [1] * 4, [1] * 4, [1]]),  # none: numpy from the first window (growing from one block)
 ])
 def test_early_windows_built_in_python_then_the_rest_move_every_block_once(to_host, early_blocks, calls):
-    """The first windows of a one-view move are built in plain Python (``plan.head_list``: 4 copies,
-    then 8, 16, ..., within ``window_bytes``, up to ``early_bytes``), each enqueued before the next
+    """The first windows of a one-view move are built in plain Python (``plan.head_list``: 16 copies,
+    then 32, within ``window_bytes``, up to ``early_bytes``), each enqueued before the next
     is listed, then the rest with numpy in windows growing on from the last early one's size. Each window holds the next
     blocks in order; every block moves once, bit-exact, in either direction."""
     views, copies, expected, per_block = _store_case()
@@ -271,14 +271,15 @@ def test_early_windows_built_in_python_then_the_rest_move_every_block_once(to_ho
 def test_an_early_window_merges_blocks_that_follow_each_other():
     """Consecutive pool blocks in one host buffer are one copy in the early windows too; a chunk's
     own buffer starts a new copy (another allocation)."""
-    c = dict(num_blocks=16, layers=2, kv=2, elems=16, dtype=torch.float16, per_layer=False, seed=3)
+    first = EARLY_COPIES[0]  # copies in the first window
+    c = dict(num_blocks=3 * first + 3, layers=2, kv=2, elems=16, dtype=torch.float16, per_layer=False, seed=3)
     pool, views, gen = make_pool(c, "cpu")
     per_block = views[0].shape[1]
-    copies = [ChunkCopy(list(range(3 * k, 3 * k + 3)), random_bytes((3 * per_block,), gen)) for k in range(5)]
+    copies = [ChunkCopy(list(range(3 * k, 3 * k + 3)), random_bytes((3 * per_block,), gen)) for k in range(first + 1)]
     driver = HostDriver()
     BatchBlockMover(driver=driver).gather_many(views, copies)
-    assert [c["sizes"] for c in driver.calls] == [[3 * per_block] * 4, [3 * per_block]]  # 4 copies, then 1
-    assert driver.bytes_moved() == 15 * per_block
+    assert [c["sizes"] for c in driver.calls] == [[3 * per_block] * first, [3 * per_block]]  # a window, then 1
+    assert driver.bytes_moved() == 3 * (first + 1) * per_block
     for cp in copies:
         assert torch.equal(cp.host.view(3, -1), views[0][cp.block_ids])
 
@@ -408,12 +409,16 @@ def test_the_driver_remembers_a_pinned_allocation_only_while_its_owner_lives():
 
 def test_the_issuer_starts_its_part_of_a_store_with_a_small_window_again():
     """After the caller's head, the issuer (just woken, the copy engines maybe idle) lists its
-    first window small again (4 copies), then doubles: it does not carry on from the head's size."""
-    views, copies, expected, per_block = _store_case()
+    first window small again (``EARLY_COPIES[0]``), then doubles: it does not carry on from the
+    head's size."""
+    first = EARLY_COPIES[0]
+    views, copies, expected, per_block = _store_case(chunks=3 * first, num_blocks=6 * first)
     driver = HostDriver()
-    mover = BatchBlockMover(window_bytes=64 * per_block, early_bytes=64 * per_block, driver=driver)
+    mover = BatchBlockMover(window_bytes=6 * first * per_block, early_bytes=6 * first * per_block, driver=driver)
     move = mover.prepare_gather(views, copies)
-    move.head(3 * per_block)  # the first window (4 copies) always goes, whatever the head's bytes
+    move.head(3 * per_block)  # the first window always goes, whatever the head's bytes
     move.rest()
-    assert [len(c["sizes"]) for c in driver.calls] == [4, 4, 4]  # not 4, then 8
+    # Not first, then 2 * first. (The last window may hold a copy less: random ids can merge.)
+    assert [len(c["sizes"]) for c in driver.calls][:3] == [first, first, 2 * first]
+    assert driver.bytes_moved() == 6 * first * per_block
     assert all(torch.equal(cp.host, e) for cp, e in zip(copies, expected, strict=True))

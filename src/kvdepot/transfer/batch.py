@@ -9,7 +9,7 @@ engines only.
 
 Windows keep the copy engines fed while later windows are listed and handed over. In a
 cross-layer pool (TensorRT-LLM's; one view) the first 64 MiB are listed in plain Python a window
-at a time (``plan.head_list``: 4 copies, then 8, 16, 32), each enqueued before the next is
+at a time (``plan.head_list``: 16 copies, then 32 at a time), each enqueued before the next is
 listed, so that the engines start after a few blocks' worth of host work; the rest is listed
 with numpy (``plan.copy_list``) in windows doubling up to 64 MiB (``window_bounds``). Why Python
 first: an operation on a GPU host starts with the CPU caches swept by the last one's DMA, where
@@ -47,7 +47,11 @@ from kvdepot.transfer.torch_mover import TorchBlockMover
 WINDOW_BYTES = 64 << 20
 FIRST_WINDOW_BYTES = 2 << 20
 EARLY_BYTES = 64 << 20  # how much of a one-view move is listed in Python (``plan.head_list``) ...
-EARLY_COPIES = (4, 32)  # ... in windows of at most 4 copies, then 8, 16, 32, 32, ... (and ``window_bytes``)
+# ... in windows of at most 16 copies, then 32, 32, ... (and ``window_bytes``). Each call costs the
+# host ~10 us or more cold on an H100's host; fewer, larger first windows won where 4, 8, 16 had
+# been tuned on the H200 (issue 19, ninth pass: 256 KiB stores +4 points against 4 first, 1 MiB
+# and 4 MiB unchanged; 32 first was no better for a store and 1.4 points worse at 1 MiB).
+EARLY_COPIES = (16, 32)
 logger = logging.getLogger("kvdepot")
 
 
@@ -94,7 +98,7 @@ class BatchBlockMover(OneChunk):
                  lanes: int = 1, early_bytes: int = EARLY_BYTES, driver: BatchDriver = CUDA_DRIVER) -> None:
         """``first_window_bytes``: the first window's size (doubling up to ``window_bytes``); None:
         all equal. ``early_bytes``: how much of a one-view move is listed in Python, a window at a
-        time (4 copies, then twice as many each time up to 32), before the rest of its copy list
+        time (16 copies, then twice as many each time up to 32), before the rest of its copy list
         (0: none).
         ``lanes``: streams a move's windows alternate on (config ``transfer_lanes``).
         ``driver``: the device's side of it (``cuda_batch.CudaDriver``; tests and CPU benches pass
@@ -177,7 +181,7 @@ class _BatchMove:
 
     The first windows of a one-view move (up to ``early_bytes``, 64 MiB) are built in plain
     Python (``plan.head_list``), each enqueued before the next is built, and the rest of the copy
-    list with numpy after them. The copy engines start after four blocks' worth of host work, and
+    list with numpy after them. The copy engines start after 16 blocks' worth of host work, and
     each window is listed while the one before it copies (H200, issue 19: a numpy list of 256
     blocks took 120-150 us after the engines had started, and they sat idle for it).
 
@@ -194,7 +198,7 @@ class _BatchMove:
         self._windows: list[tuple[CopyList, int, int, int]] = []  # list, lo, hi, bytes of the move through it
         self._unlisted: Sequence[ChunkCopy] | None = None  # chunk parts whose copy list is not built yet
         self._next = 0  # the next window to enqueue
-        self._step = 0  # early windows listed by this thread: 4 copies, then 8, 16, 32
+        self._step = 0  # early windows listed by this thread: 16 copies, then 32
         self._checked: set[int] = set()  # host allocations the driver may copy
         self._by_torch = False  # part of the move cannot go through the batch call: torch copies it all
         self._refusal: RuntimeError | None = None
@@ -240,7 +244,7 @@ class _BatchMove:
 
     def _window_left(self, limit: int | None = None) -> bool:
         """Whether a window is left to enqueue. Windows are listed as they are needed: first in
-        Python (one view: 4 copies, then 8, 16 and 32 at a time up to ``early_bytes``), each
+        Python (one view: 16 copies, then 32 at a time up to ``early_bytes``), each
         enqueued before the next is built, then the rest of the move at once with numpy. At most
         32 copies, because whoever lists the next window (a store's issuer, just woken) leaves the
         copy engines idle until its first call returns: a window of 128 256 KiB blocks took
