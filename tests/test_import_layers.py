@@ -78,3 +78,17 @@ def test_no_import_cycle() -> None:
         if module not in state:
             visit(module, [])
     assert cycles == []
+
+
+def test_the_engine_imports_where_torch_cuda_event_is_a_placeholder() -> None:
+    """vLLM's CPU worker replaces ``torch.cuda.Event`` with a placeholder before it imports a KV
+    connector (``vllm/v1/worker/cpu/shm.py``): nothing of ours may touch the class at import. (An
+    import-time ``torch.cuda.Event.record`` once made vLLM report the connector class missing.)"""
+    import subprocess
+    import sys
+
+    code = ("import torch; torch.cuda.Event = type('Placeholder', (), {}); "
+            "import kvdepot.engine, kvdepot.transfer.streams, kvdepot.server.client, kvdepot.integrations.vllm.layout")
+    env = {"PYTHONPATH": str(ROOT.parent), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

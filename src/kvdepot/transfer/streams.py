@@ -55,10 +55,11 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-# (event, stream): what ``Event.record(stream)`` and ``stream.wait_event(event)`` end in (a CPU
-# build of torch has no such C methods: its wrappers then, which nothing calls without CUDA).
-_RECORD = getattr(torch._C._CudaEventBase, "record", torch.cuda.Event.record)
-_WAIT = getattr(torch._C._CudaEventBase, "wait", torch.cuda.Event.wait)
+# (event, stream): what ``Event.record(stream)`` and ``stream.wait_event(event)`` end in. A CPU
+# build of torch has no such C methods, and nothing here may touch ``torch.cuda.Event`` at import:
+# vLLM's CPU worker replaces it with a placeholder that has none of its methods.
+_RECORD = getattr(torch._C._CudaEventBase, "record", None)
+_WAIT = getattr(torch._C._CudaEventBase, "wait", None)
 
 
 class _Using:
@@ -116,8 +117,12 @@ class CudaStreams:
         event = events.get(other.device_index)
         if event is None:
             event = events[other.device_index] = torch.cuda.Event()
-        _RECORD(event, other)
-        _WAIT(event, stream)
+        if _RECORD is None or _WAIT is None:  # NOTE: a torch without CUDA's C event methods
+            event.record(other)
+            stream.wait_event(event)
+        else:
+            _RECORD(event, other)
+            _WAIT(event, stream)
 
 
 CUDA = CudaStreams()
