@@ -257,6 +257,9 @@ def _anatomy(engine: CacheEngine, store: Callable[[], None], lookup: Callable[[]
     samples: dict[str, list[dict[str, float]]] = {"store": [], "memcpy d2h": [], "retrieve": [], "memcpy h2d": []}
     try:
         for _ in range(reps):
+            # Off the clock, before each store too: the rows before leave ``held`` the coldest
+            # chunks of a full arena, and a store would evict them before the retrieve below.
+            lookup()
             samples["store"].append(call_anatomy.measure(store, recorder, lambda: sync(device), d2h_gbps))
             samples["memcpy d2h"].append(call_anatomy.measure(copies.d2h, None, lambda: sync(device), d2h_gbps))
             lookup()  # off the clock, as for the retrieve rows
