@@ -81,7 +81,7 @@ def test_a_call_is_split_into_lead_span_and_tail_and_its_idle_is_simulated(clock
 
     row = call_anatomy.measure(op, recorder, sync=lambda: None, gbps=1.0, event=ClockEvent)
     assert row["calls"] == 2 and recorder.inner.calls == 2
-    assert row["GPU lead us"] == pytest.approx(10_000)
+    assert row["GPU lead us"] == pytest.approx(10_000) and row["host lead us"] == pytest.approx(10_000)
     assert row["span us"] == pytest.approx(2_000 + 5_000 + 2_000)  # first call, gap, second call
     assert row["tail us"] == pytest.approx(3_000)
     assert row["total us"] == pytest.approx(10_000 + 5_000 + 3_000 + 2 * 2_000)
@@ -95,7 +95,7 @@ def test_a_call_is_split_into_lead_span_and_tail_and_its_idle_is_simulated(clock
 def test_a_plain_copy_is_its_own_span_and_a_call_without_driver_calls_is_not_attributed(clock):
     ClockEvent.clock = clock
     row = call_anatomy.measure(lambda: clock.sleep(0.004), None, sync=lambda: None, gbps=1.0, event=ClockEvent)
-    assert row["GPU lead us"] == 0 and row["calls"] == 0 and row["idle us"] == 0
+    assert row["GPU lead us"] == 0 and row["host lead us"] == 0 and row["calls"] == 0 and row["idle us"] == 0
     assert row["span us"] == pytest.approx(4_000) and row["tail us"] == 0
     recorder = call_anatomy.RecordingDriver(SlowDriver(0, clock), event=ClockEvent)
     row = call_anatomy.measure(lambda: None, recorder, sync=lambda: None, gbps=1.0, event=ClockEvent)

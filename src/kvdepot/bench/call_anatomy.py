@@ -5,6 +5,8 @@ doubled host times (issue 19, run AN) and could not say how far a call's host wo
     total us      the call's wall time, the device synchronized before and after
     GPU lead us   from the call to the first driver call (an event on the caller's stream at the
                   call, one on the copy stream just before the first call)
+    host lead us  the same on the host's clock: from the call until the first driver call was
+                  entered (where the GPU lead is longer, the GPU was slow to reach the events)
     span us       from then until the last driver call's copies ran (an event after each call)
     tail us       the rest of the wall time: the host after the last copy (a store's commit, its
                   waiter's return) and the synchronize
@@ -28,7 +30,7 @@ from typing import Any
 from kvdepot.bench.bookkeeping import Stamps
 from kvdepot.transfer.cuda_batch import BatchDriver
 
-COLUMNS = ("total us", "GPU lead us", "span us", "tail us", "calls", "idle us")
+COLUMNS = ("total us", "GPU lead us", "host lead us", "span us", "tail us", "calls", "idle us")
 
 
 def timing_event() -> Any:
@@ -64,10 +66,10 @@ class RecordingDriver:
         self.inner.join(stream, lane)
 
     def copy(self, copies: Any, lo: int, hi: int, stream: Any) -> None:
+        enter = time.perf_counter()  # before the first event, as the GPU lead ends at its record
         if self.first is None:
             self.first = self._event()
             self.first.record(stream)
-        enter = time.perf_counter()
         self.inner.copy(copies, lo, hi, stream)
         leave = time.perf_counter()
         self.last = self._event()
@@ -101,8 +103,9 @@ def measure(op: Callable[[], Any], driver: RecordingDriver | None, sync: Callabl
     span = first.elapsed_time(last) * 1e3
     calls = 0 if driver is None else len(driver.stamps.calls)
     idle = 0.0 if driver is None else driver.stamps.engines(True, gbps)[0] * 1e6
-    return {"total us": total, "GPU lead us": lead, "span us": span, "tail us": total - lead - span,
-            "calls": calls, "idle us": idle}
+    host_lead = 0.0 if driver is None else (driver.stamps.calls[0][0] - t0) * 1e6
+    return {"total us": total, "GPU lead us": lead, "host lead us": host_lead, "span us": span,
+            "tail us": total - lead - span, "calls": calls, "idle us": idle}
 
 
 def medians(samples: Sequence[Mapping[str, float]]) -> dict[str, float]:
