@@ -31,6 +31,29 @@ def test_bench_transfer_measures_each_batch_variant_in_one_run(kvdepot_env_clear
     assert all(r["ratio"] > 0 and r["call us"] > 0 for r in rows)
 
 
+def test_bench_transfer_anatomy_is_cuda_only_and_leaves_the_rows_alone_on_cpu(kvdepot_env_cleared):
+    rows = transfer.run(_args(transfer, "--device", "cpu", "--mover", "batch", "--tokens", "256", "--reps", "2", "--layers", "2",
+                              "--anatomy"))
+    assert [r["op"] for r in rows] == ["store", "2 stores at once", "retrieve", "lookup + retrieve"]
+
+
+@pytest.mark.gpu
+def test_bench_transfer_anatomy_takes_a_store_and_a_retrieve_apart_beside_memcpy(kvdepot_env_cleared):
+    from kvdepot.transfer import cuda_batch
+
+    if not cuda_batch.available():
+        pytest.skip("this driver has no cuMemcpyBatchAsync_v2")
+    rows = transfer.run(_args(transfer, "--device", "cuda", "--mover", "batch", "--blocks", "64", "--reps", "3",
+                              "--layers", "4", "--tokens-per-block", "8", "--anatomy"))
+    parts = {r["op"]: r for r in rows if "total us" in r}
+    assert set(parts) == {"store", "memcpy d2h", "retrieve", "memcpy h2d"}
+    for op, r in parts.items():
+        assert r["span us"] > 0 and r["GPU lead us"] >= 0 and r["idle us"] >= 0
+        assert r["total us"] == pytest.approx(r["GPU lead us"] + r["span us"] + r["tail us"], rel=0.2)  # medians each
+        assert (r["calls"] >= 1) == (op in ("store", "retrieve"))
+    assert parts["store"]["GPU lead us"] > 0  # the engine's host work comes before its first window
+
+
 def test_what_runs_before_an_operation_is_off_its_clock():
     """``paired_seconds(before=...)``: a load's lookup (the scheduler's call) runs ahead of each timed
     load, every time, and none of its time is counted."""

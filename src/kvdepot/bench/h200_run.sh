@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abmp goals19
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abmp goals19 anatomy19
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -62,6 +62,10 @@ from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --dis
       python3 -m kvdepot.cli bench bookkeeping 2>&1 | tee "$OUT/bookkeeping.txt" ;;
     contexts) python3 -m kvdepot.cli bench contexts 2>&1 | tee "$OUT/contexts.txt" ;;  # MP's per-layer toll: where the server records
     dma) python3 -m kvdepot.cli bench dma 2>&1 | tee "$OUT/dma.txt" ;;  # the copy engines' ceiling for scattered blocks
+    anatomy19) # where a 256-block store's and retrieve's time goes (timing events, no profiler): 256 KiB and 1 MiB blocks
+      for shape in "--layers 16 --head-dim 64 --tokens-per-block 8" "--tokens-per-block 8"; do
+        python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 --anatomy $shape 2>&1 | grep -E "^batch"
+      done 2>&1 | tee "$OUT/anatomy19.txt" ;;
     goals19) # every figure issue 19's closing note asks for, in one call (~4 min): transfer rows, TTFT, first hit, disk
       for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "--layers 16 --head-dim 64 --tokens-per-block 8"; do
         python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 $shape 2>&1 | grep -E "^batch"

@@ -16,15 +16,18 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
+from kvdepot.bench import call_anatomy
 from kvdepot.bench.common import (
     Memcpy,
     compute_share,
     device_name,
     gpu_timeline,
     paired_seconds,
+    sync,
 )
 from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.config import load_config
@@ -51,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch mover: config transfer_lanes values to compare, comma-separated (default: the config's)")
     parser.add_argument("--timeline", action="store_true",
                         help="also attribute one store and one retrieve: CPU lead-in, copy-engine busy time, gaps (CUDA)")
+    parser.add_argument("--anatomy", action="store_true",
+                        help="batch mover, CUDA: also take --reps stores and retrieves apart by timing events (GPU lead, copy "
+                             "span, tail, driver calls, simulated engine idle) beside a memcpy of the same bytes")
     add_output_arguments(parser)
 
 
@@ -82,19 +88,22 @@ def run(args: argparse.Namespace) -> list[dict]:
     if device.type != "cuda":
         report.note("(CPU: the both-directions rows and the compute-share row need two copy engines and SMs; not measured)")
     report.table(f"kvdepot bench transfer — {device_name(device)}", mover=22, op=22)
-    timelines = [(_label(name, variant), _run_one(args, name, report, variant)) for name, variant in runs]
-    if any(t for _, t in timelines):
-        report.table("timeline of one call (ms; --timeline)", op=8)
-        for name, timeline in timelines:
-            for op, parts in timeline.items():
-                report.add({"mover": name, "op": op, **parts})
+    parts = [(_label(name, variant), _run_one(args, name, report, variant)) for name, variant in runs]
+    for key, title in (("timeline", "timeline of one call (ms; --timeline)"),
+                       ("anatomy", f"anatomy of a call (us, medians of {args.reps}; --anatomy)")):
+        if any(p[key] for _, p in parts):
+            report.table(title, op=10)
+            for name, p in parts:
+                for op, row in p[key].items():
+                    report.add({"mover": name, "op": op, **row})
     return report.finish()
 
 
 def _run_one(args: argparse.Namespace, mover: str, report: Report,
-             variant: dict[str, float] | None = None) -> dict[str, dict[str, float]]:
+             variant: dict[str, float] | None = None) -> dict[str, dict[str, dict[str, float]]]:
     """Measure one mover (with ``variant``'s config overrides), adding each row to ``report`` as
-    soon as it is measured; returns the ``--timeline`` attribution (empty without it)."""
+    soon as it is measured; returns the ``--timeline`` and ``--anatomy`` attributions by op under
+    those keys (empty without them)."""
     variant = variant or {}
     label = _label(mover, variant)
     device = torch.device(args.device)
@@ -125,7 +134,8 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
 
     # Keys and block ids are drawn before the clock starts: hashing is the scheduler's cost
     # (``bench lookup``), not the transfer's.
-    batches = [(fresh_keys(), ids()) for _ in range(4 + 6 * args.reps + 16)]
+    anatomy = bool(getattr(args, "anatomy", False)) and device.type == "cuda" and hasattr(engine.mover, "driver")
+    batches = [(fresh_keys(), ids()) for _ in range(4 + 6 * args.reps + 16 + (args.reps if anatomy else 0))]
 
     calls: list[float] = []  # seconds the caller spent in the engine's calls, per timed operation
 
@@ -230,6 +240,31 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     timeline = {}
     if getattr(args, "timeline", False) and device.type == "cuda":
         timeline = {"retrieve": gpu_timeline(lambda: (lookup(), retrieve())), "store": gpu_timeline(store)}  # a store evicts
+    parts = _anatomy(engine, store, lookup, retrieve, copies, device, nbytes / d2h_s / 1e9, nbytes / h2d_s / 1e9,
+                     args.reps) if anatomy else {}
+    calls.clear()
     engine.wait_all()
     engine.close()
-    return timeline
+    return {"timeline": timeline, "anatomy": parts}
+
+
+def _anatomy(engine: CacheEngine, store: Callable[[], None], lookup: Callable[[], None], load: Callable[[], None],
+             copies: Memcpy, device: torch.device, d2h_gbps: float, h2d_gbps: float, reps: int) -> dict[str, dict[str, float]]:
+    """``--anatomy``: ``reps`` stores and retrieves taken apart by ``call_anatomy``, each beside a
+    memcpy of its bytes; the simulated engine runs at this run's memcpy rates."""
+    recorder = call_anatomy.RecordingDriver(engine.mover.driver)  # type: ignore[attr-defined]
+    engine.mover.driver = recorder  # type: ignore[attr-defined]
+    samples: dict[str, list[dict[str, float]]] = {"store": [], "memcpy d2h": [], "retrieve": [], "memcpy h2d": []}
+    try:
+        for _ in range(reps):
+            # Off the clock, before each store too: the rows before leave ``held`` the coldest
+            # chunks of a full arena, and a store would evict them before the retrieve below.
+            lookup()
+            samples["store"].append(call_anatomy.measure(store, recorder, lambda: sync(device), d2h_gbps))
+            samples["memcpy d2h"].append(call_anatomy.measure(copies.d2h, None, lambda: sync(device), d2h_gbps))
+            lookup()  # off the clock, as for the retrieve rows
+            samples["retrieve"].append(call_anatomy.measure(load, recorder, lambda: sync(device), h2d_gbps))
+            samples["memcpy h2d"].append(call_anatomy.measure(copies.h2d, None, lambda: sync(device), h2d_gbps))
+    finally:
+        engine.mover.driver = recorder.inner  # type: ignore[attr-defined]
+    return {op: call_anatomy.medians(rows) for op, rows in samples.items()}
