@@ -388,3 +388,60 @@ def test_a_load_that_raises_has_released_its_lease(make, streams, lead, where):
     expect[dst] = stored
     assert torch.equal(rows, expect)
     _idle(engine)
+
+
+def test_a_load_pins_the_chunks_past_its_lead_only_once_the_lead_is_enqueued(make, monkeypatch):
+    """Pinning and listing every chunk of a load took 16-40 us before its first copy on H100 hosts
+    (issue 19, tenth pass): the lead's chunk is pinned, its copies go, and only then the others."""
+    engine, rows = make(lead=2)
+    keys, src, dst = _keys(engine), _ids(1), _ids(2)
+    stored = rows[src].clone()
+    engine.store(keys, src).wait()
+    log = engine.mover.moved
+    log.clear()
+    pin = engine.host.pin
+
+    def logged(lease, pinned, *args, **kw):
+        log.append(("pin", len(pinned)))
+        return pin(lease, pinned, *args, **kw)
+
+    monkeypatch.setattr(engine.host, "pin", logged)
+    poison = _poison(rows, 9)
+    assert engine.retrieve(keys, dst) == N * TPB
+    assert log == [("pin", 1), ("scatter", dst[:2]), ("pin", 2), ("scatter", dst[2:])]
+    expect = poison.clone()
+    expect[dst] = stored
+    assert torch.equal(rows, expect)
+    _idle(engine)
+
+
+@pytest.mark.parametrize("leased", [False, True], ids=["no-lease", "lease"])
+def test_a_chunk_deleted_while_the_lead_copies_ends_the_load_before_it(make, leased):
+    """Between the lead and the pins of the chunks after it, a chunk past the lead goes (deleted;
+    an eviction does the same): the load ends before it, reports only what it wrote, and writes
+    nothing of it or after it. Under a lookup's lease nothing can go: the load is whole."""
+    engine, rows = make(lead=2)
+    keys, src, dst = _keys(engine), _ids(1), _ids(2)
+    stored = rows[src].clone()
+    engine.store(keys, src).wait()
+    lease = Lease("req-1") if leased else None
+    if leased:
+        assert engine.lookup(keys, lease=lease) == N * TPB
+    scatter, deleted = engine.mover.scatter_many, []
+
+    def scatter_then_delete(copies, views):
+        scatter(copies, views)
+        if not deleted:  # the lead: the middle chunk goes while it copies
+            with engine._lock:
+                deleted.append(engine.host.delete(keys[1]))
+
+    engine.mover.scatter_many = scatter_then_delete
+    poison = _poison(rows, 7)
+    loaded = engine.retrieve(keys, dst, lease=lease)
+    assert deleted == [not leased]
+    whole = N if leased else BPC  # blocks loaded: all, or the first chunk's
+    assert loaded == whole * TPB
+    expect = poison.clone()
+    expect[dst[:whole]] = stored[:whole]
+    assert torch.equal(rows, expect)  # the deleted chunk's blocks and the ones after it untouched
+    _idle(engine)
