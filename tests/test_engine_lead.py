@@ -445,3 +445,32 @@ def test_a_chunk_deleted_while_the_lead_copies_ends_the_load_before_it(make, lea
     expect[dst[:whole]] = stored[:whole]
     assert torch.equal(rows, expect)  # the deleted chunk's blocks and the ones after it untouched
     _idle(engine)
+
+
+@pytest.mark.parametrize("leased", [False, True], ids=["no-lease", "lease"])
+def test_a_load_whose_lead_cannot_be_enqueued_releases_its_lease_and_pins(make, leased):
+    """The lease is released with the pins of the chunks past the lead, after the lead: where the
+    lead's own copies fail to enqueue, the load still leaves no lease and no pin behind."""
+    engine, rows = make(lead=2)
+    keys, src, dst = _keys(engine), _ids(1), _ids(2)
+    stored = rows[src].clone()
+    engine.store(keys, src).wait()
+    lease = Lease("req-1") if leased else None
+    if leased:
+        assert engine.lookup(keys, lease=lease) == N * TPB
+    scatter = engine.mover.scatter_many
+
+    def refuse(copies, views):
+        raise RuntimeError("injected: the driver refused the lead")
+
+    engine.mover.scatter_many = refuse
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.retrieve(keys, dst, lease=lease)
+    _idle(engine)  # no lease, no pins, nothing in flight
+    engine.mover.scatter_many = scatter
+    poison = _poison(rows, 11)
+    assert engine.retrieve(keys, dst) == N * TPB
+    expect = poison.clone()
+    expect[dst] = stored
+    assert torch.equal(rows, expect)
+    _idle(engine)

@@ -240,9 +240,15 @@ class LoadPath:
                                 self.host.release(lease)
 
                 check = check_then_pin
-            self._transfers.load(lambda: self.mover.scatter_many(rest, self._views), lambda: self.host.release(pin),
-                                 stream, lead=(lambda: self.mover.scatter_many(lead, self._views)) if lead else None,
-                                 check=check)
+            try:
+                self._transfers.load(lambda: self.mover.scatter_many(rest, self._views), lambda: self.host.release(pin),
+                                     stream, lead=(lambda: self.mover.scatter_many(lead, self._views)) if lead else None,
+                                     check=check)
+            except BaseException:
+                if not whole and lease is not None:  # the lead failed before the check could release it
+                    with self._lock:
+                        self.host.release(lease)
+                raise
         # The chunks are consecutive from ``first``: they end at the last one's end (or ``end_block``).
         loaded_blocks = min((first + len(copies)) * bpc, end_block) - skip_blocks
         with self._lock:
