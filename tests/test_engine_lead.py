@@ -415,11 +415,9 @@ def test_a_load_pins_the_chunks_past_its_lead_only_once_the_lead_is_enqueued(mak
     _idle(engine)
 
 
-@pytest.mark.parametrize("leased", [False, True], ids=["no-lease", "lease"])
-def test_a_chunk_deleted_while_the_lead_copies_ends_the_load_before_it(make, leased):
-    """Between the lead and the pins of the chunks after it, a chunk past the lead goes (deleted;
-    an eviction does the same): the load ends before it, reports only what it wrote, and writes
-    nothing of it or after it. Under a lookup's lease nothing can go: the load is whole."""
+def _stored_and_leased(make, leased: bool) -> tuple:
+    """A lead of 2 blocks, a 3-chunk request stored (its bytes kept) and, with ``leased``, looked
+    up under a lease: (engine, rows, keys, stored bytes, block ids to load into, lease or None)."""
     engine, rows = make(lead=2)
     keys, src, dst = _keys(engine), _ids(1), _ids(2)
     stored = rows[src].clone()
@@ -427,6 +425,15 @@ def test_a_chunk_deleted_while_the_lead_copies_ends_the_load_before_it(make, lea
     lease = Lease("req-1") if leased else None
     if leased:
         assert engine.lookup(keys, lease=lease) == N * TPB
+    return engine, rows, keys, stored, dst, lease
+
+
+@pytest.mark.parametrize("leased", [False, True], ids=["no-lease", "lease"])
+def test_a_chunk_deleted_while_the_lead_copies_ends_the_load_before_it(make, leased):
+    """Between the lead and the pins of the chunks after it, a chunk past the lead goes (deleted;
+    an eviction does the same): the load ends before it, reports only what it wrote, and writes
+    nothing of it or after it. Under a lookup's lease nothing can go: the load is whole."""
+    engine, rows, keys, stored, dst, lease = _stored_and_leased(make, leased)
     scatter, deleted = engine.mover.scatter_many, []
 
     def scatter_then_delete(copies, views):
@@ -451,13 +458,7 @@ def test_a_chunk_deleted_while_the_lead_copies_ends_the_load_before_it(make, lea
 def test_a_load_whose_lead_cannot_be_enqueued_releases_its_lease_and_pins(make, leased):
     """The lease is released with the pins of the chunks past the lead, after the lead: where the
     lead's own copies fail to enqueue, the load still leaves no lease and no pin behind."""
-    engine, rows = make(lead=2)
-    keys, src, dst = _keys(engine), _ids(1), _ids(2)
-    stored = rows[src].clone()
-    engine.store(keys, src).wait()
-    lease = Lease("req-1") if leased else None
-    if leased:
-        assert engine.lookup(keys, lease=lease) == N * TPB
+    engine, rows, keys, stored, dst, lease = _stored_and_leased(make, leased)
     scatter = engine.mover.scatter_many
 
     def refuse(copies, views):
