@@ -28,6 +28,7 @@ BENCHES = {
     "hooks": ("kvdepot.bench.layer_hooks", "host time a load by layer costs the forward per layer hook: in-process vs server mode (LAYERS or progress page), simulated copies (CPU)"),
     "dma": ("kvdepot.bench.dma_ceiling", "the copy engines' and driver's ceiling for scattered blocks: batched copies listed beforehand vs pinned memcpy (CUDA)"),
     "contexts": ("kvdepot.bench.cross_context", "what another process's copies into this GPU cost a forward waiting on them, by the stream its events are recorded on (CUDA)"),
+    "ab": ("kvdepot.bench.ab", "two source trees in one process: store/retrieve/both-at-once ratios paired round by round (a change's A/B on a host whose processes differ)"),
     "bookkeeping": ("kvdepot.bench.bookkeeping", "host-side cost of CacheEngine store/lookup/retrieve with no copy (CPU)"),
     "tp": ("kvdepot.bench.tp", "MLA under tensor parallel 2 in server mode: bytes stored per chunk and load time, one copy vs per rank"),
     "firsthit": ("kvdepot.bench.first_hit", "a process's first kvdepot hit vs its later ones, and vs its first device hit (whose toll)"),
