@@ -227,28 +227,22 @@ class LoadPath:
             if not whole:
                 whole_list = check
 
-                def check_then_pin() -> None:  # while the lead copies; the lease goes either way
-                    try:
-                        whole_list()  # type: ignore[misc]
-                        with self._lock:
-                            more = self._pin_copies(pin, keys, block_ids, now, last, skip_blocks, end_block)
-                        copies.extend(more)
-                        rest.extend(more)
-                    finally:
-                        if lease is not None:
-                            with self._lock:
-                                self.host.release(lease)
+                def check_then_pin() -> None:  # while the lead copies
+                    whole_list()  # type: ignore[misc]
+                    with self._lock:
+                        more = self._pin_copies(pin, keys, block_ids, now, last, skip_blocks, end_block)
+                    copies.extend(more)
+                    rest.extend(more)
 
                 check = check_then_pin
             try:
                 self._transfers.load(lambda: self.mover.scatter_many(rest, self._views), lambda: self.host.release(pin),
                                      stream, lead=(lambda: self.mover.scatter_many(lead, self._views)) if lead else None,
                                      check=check)
-            except BaseException:
-                if not whole and lease is not None:  # the lead failed before the check could release it
+            finally:  # the check has pinned what it loads, or the load failed: the lease goes either way
+                if not whole and lease is not None:
                     with self._lock:
                         self.host.release(lease)
-                raise
         # The chunks are consecutive from ``first``: they end at the last one's end (or ``end_block``).
         loaded_blocks = min((first + len(copies)) * bpc, end_block) - skip_blocks
         with self._lock:
