@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import shutil
+import sys
 from pathlib import Path
+
+import pytest
 
 import kvdepot
 import kvdepot.engine
@@ -51,3 +54,14 @@ def test_both_trees_are_timed_round_by_round_on_cpu(tmp_path, kvdepot_env_cleare
     assert [r["op"] for r in rows] == ["store", "retrieve"]  # both at once: CUDA only
     assert all(r["old ratio"] > 0 and r["new ratio"] > 0 for r in rows)
     assert all(isinstance(r["new - old points"], float) for r in rows)
+
+
+def test_bad_input_names_the_option_and_what_it_takes(tmp_path, kvdepot_env_cleared):
+    parser = argparse.ArgumentParser()
+    ab.add_arguments(parser)
+    small = ["--device", "cpu", "--layers", "2", "--head-dim", "16", "--chunk-size", "32", "--blocks", "8", "--rounds", "1"]
+    with pytest.raises(SystemExit, match=r"^--old .*: no kvdepot package there"):
+        ab.run(parser.parse_args(["--old", str(tmp_path), *small]))
+    with pytest.raises(SystemExit, match=r"^--ops: bogus unknown; choose from store, retrieve, both$"):
+        ab.run(parser.parse_args(["--old", str(_old_tree(tmp_path)), "--ops", "store,bogus", *small]))
+    assert not any("kvdepot-ab-" in path for path in sys.path)  # a refused run leaves no import path behind
