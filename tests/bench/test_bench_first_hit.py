@@ -47,3 +47,31 @@ def test_a_bad_warmup_names_the_option_and_its_choices(capsys):
         _args("--warmup", "sometimes")
     err = capsys.readouterr().err
     assert "--warmup" in err and "'on', 'off', 'both'" in err
+
+
+def test_the_summary_takes_each_processes_first_over_its_later_hits_then_the_median_over_processes():
+    """Three processes of one order: each ratio is its own process's first over its later hits'
+    median (a process's hits are never mixed with another's); the row gives their median and range."""
+    hits = {0: [10.0, 5.0, 5.0], 1: [12.0, 6.0, 8.0], 2: [9.0, 9.0, 9.0]}  # ratios 2.0, 12/7, 1.0
+    rows = [{"warm-up": "on", "order": "kvdepot-first", "process": p, "prompt": i, "kvdepot hit ms": ms,
+             "device hit ms": 1.0} for p, run in hits.items() for i, ms in enumerate(run)]
+    by_kind = {s["hit"]: s for s in first_hit._summary(rows)}
+    assert set(by_kind) == {"kvdepot hit", "device hit"}
+    s = by_kind["kvdepot hit"]
+    assert (s["processes"], s["min"], s["max"]) == (3, 1.0, 2.0)
+    assert s["first/later"] == pytest.approx(12 / 7)
+    assert (s["first ms"], s["later median ms"]) == (10.0, 7.0)
+    assert by_kind["device hit"]["first/later"] == 1.0
+
+
+def test_processes_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        _args("--processes", "0")
+    assert "--processes: 0 is not a positive integer" in capsys.readouterr().err
+
+
+def test_several_processes_each_give_their_own_first_hit():
+    out = first_hit.run(_args("--order", "kvdepot-first", "--warmup", "on", "--processes", "2"))
+    assert [(r["process"], r["prompt"]) for r in out["rows"]] == [(p, i) for p in (0, 1) for i in range(3)]
+    assert all(r["hit==device bitwise"] for r in out["rows"])
+    assert {s["processes"] for s in out["summary"]} == {2}

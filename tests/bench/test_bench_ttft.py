@@ -17,7 +17,7 @@ def test_ttft_bench_in_process_and_through_a_server(tmp_path):
     add_arguments(parser)
     args = parser.parse_args(["--device", "cpu", "--model", "tiny", "--lengths", "256,512", "--miss-prompts", "2",
                               "--miss-length", "256", "--decode-tokens", "3", "--modes", "in-process,whole,mp",
-                              "--json", str(tmp_path / "ttft.json")])
+                              "--repeats", "3", "--json", str(tmp_path / "ttft.json")])
     result = run(args)
     hits = result["hits"]
     assert [(r["mode"], r["prompt"]) for r in hits] == [(m, n) for m in ("in-process", "whole", "mp") for n in (256, 512)]
@@ -30,9 +30,26 @@ def test_ttft_bench_in_process_and_through_a_server(tmp_path):
             before, forward = row[f"{kind}: before ms"], row[f"{kind}: forward ms"]
             assert before > 0 and forward > 0 and before + forward <= row[ttft]
         assert 0 <= row["hit: to layer 0 ms"] <= row["hit: forward ms"]
+        assert row["repeats"] == 3 and row["hit ms min"] <= row["kvdepot hit ms"] <= row["hit ms max"]  # the median try
+    versus = result["versus"]  # mp against in-process per length (not against ``whole``)
+    assert [r["prompt"] for r in versus] == [256, 512]
+    for r in versus:
+        local, mp = ({h["mode"]: h for h in hits if h["prompt"] == r["prompt"]}[m] for m in ("in-process", "mp"))
+        assert r["mp/in-process"] == pytest.approx(mp["kvdepot hit ms"] / local["kvdepot hit ms"])
+        assert r["mp hit/device"] == pytest.approx(mp["kvdepot hit ms"] / mp["device ms median"])
     assert [r["connector"] for r in result["misses"]] == [False, True]
     assert 0 < result["misses"][1]["connector host share"] < 1  # the connector's calls were timed
     assert (tmp_path / "ttft.json").exists()
+
+
+def test_repeats_must_be_positive(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--repeats", "0"])
+    assert "--repeats: 0 is not a positive integer" in capsys.readouterr().err
 
 
 def test_unknown_mode_is_refused():

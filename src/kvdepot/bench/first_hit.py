@@ -12,7 +12,9 @@ process), after a warm-up of misses only, and times ``--hits`` prompts, each ser
 
 If the first row of either kind is slow only when it comes first in its process, the toll is the
 runtime's (it follows whatever runs first); if the first kvdepot hit is slow in both orders, it is
-kvdepot's. Every hit must load the whole prompt (else the bench raises).
+kvdepot's. ``--processes``: each order and warm-up in that many fresh processes (a process has
+one first hit; on a GPU host one process's first/later read anywhere from 0.74 to 1.05), and the
+summary gives each ratio's median and range over them. Every hit must load the whole prompt (else the bench raises).
 
 ``--warmup``: whether the engine runs its construction-time warm-up (``Engine.warm_up``: a prefill,
 a chunk and a token over past KV, before the pool is registered, as TensorRT-LLM 1.2's
@@ -52,7 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which kind of hit a fresh process meets first (both: one process each)")
     parser.add_argument("--warmup", choices=WARMUPS + ("both",), default="both",
                         help="the engine's warm-up at construction (Engine.warm_up) on, off, or both (a process each)")
+    parser.add_argument("--processes", type=_positive, default=1,
+                        help="fresh processes per order and warm-up: a process has one first hit, and one process "
+                             "read 0.74-1.05 (issue 19); the summary gives the median and range over them")
     add_output_arguments(parser)
+
+
+def _positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return n
 
 
 def _one_order(args: argparse.Namespace, order: str, warmup: str) -> list[dict[str, Any]]:
@@ -98,33 +110,43 @@ def _in_fresh_process(args: argparse.Namespace, order: str, warmup: str) -> list
 
 
 def _summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per warm-up, order and kind: the first row over the median of the later ones."""
+    """Per warm-up, order and kind: in each process, its first row over the median of its later
+    ones; over the processes, the median of those ratios and their range (``first ms`` and
+    ``later median ms``: the medians over the processes of each)."""
     out = []
     for warmup in WARMUPS:
         for order in ORDERS:
             mine = [r for r in rows if r["order"] == order and r["warm-up"] == warmup]
-            if len(mine) < 2:
+            runs = [[r for r in mine if r.get("process", 0) == p] for p in sorted({r.get("process", 0) for r in mine})]
+            runs = [run for run in runs if len(run) >= 2]
+            if not runs:
                 continue
             for kind in ("kvdepot hit ms", "device hit ms"):
-                later = statistics.median(r[kind] for r in mine[1:])
-                out.append({"warm-up": warmup, "order": order, "hit": kind.removesuffix(" ms"), "first ms": mine[0][kind],
-                            "later median ms": later, "first/later": mine[0][kind] / later})
+                firsts = [run[0][kind] for run in runs]
+                laters = [statistics.median(r[kind] for r in run[1:]) for run in runs]
+                ratios = [f / later for f, later in zip(firsts, laters, strict=True)]
+                out.append({"warm-up": warmup, "order": order, "hit": kind.removesuffix(" ms"), "processes": len(runs),
+                            "first ms": statistics.median(firsts), "later median ms": statistics.median(laters),
+                            "first/later": statistics.median(ratios), "min": min(ratios), "max": max(ratios)})
     return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     orders = ORDERS if args.order == "both" else (args.order,)
     warmups = WARMUPS if args.warmup == "both" else (args.warmup,)
-    runs = [(w, o) for w in warmups for o in orders]
+    processes = getattr(args, "processes", 1)
+    # The processes of one order and warm-up are not run back to back: a drift of the host's phase
+    # then spreads over every order alike.
+    runs = [(p, w, o) for p in range(processes) for w in warmups for o in orders]
     report = Report(args, steps=len(runs), device=torch.device(args.device), name="bench firsthit")
     report.table(f"kvdepot bench firsthit — {args.model}, {args.length}-token prompts, {args.hits} per order, "
-                 "each order and warm-up in a fresh process", order=13)
+                 f"each order and warm-up in {processes} fresh process{'es' * (processes > 1)}", order=13)
     rows: list[dict[str, Any]] = []
     fresh = len(runs) > 1
-    for warmup, order in runs:
-        with report.step(f"{order}, warm-up {warmup}"):
+    for process, warmup, order in runs:
+        with report.step(f"{order}, warm-up {warmup}" + (f", process {process + 1}" if processes > 1 else "")):
             got = _in_fresh_process(args, order, warmup) if fresh else _one_order(args, order, warmup)
-        rows += [report.add(row) for row in got]
+        rows += [report.add({**row, "process": process}) for row in got]
     summary = _summary(rows)
     if summary:
         report.table("first hit of a process over the median of its later hits", order=13)
