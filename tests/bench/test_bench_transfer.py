@@ -54,6 +54,23 @@ def test_bench_transfer_anatomy_takes_a_store_and_a_retrieve_apart_beside_memcpy
     assert parts["store"]["GPU lead us"] > 0  # the engine's host work comes before its first window
 
 
+@pytest.mark.gpu
+def test_bench_transfer_times_a_store_and_a_retrieve_behind_gpu_work(kvdepot_env_cleared):
+    """The rows an engine's call order gives (the forward still running when its store is called):
+    each operation's time runs from the work's end, against a memcpy called the same way."""
+    from kvdepot.bench.common import behind_work_seconds
+
+    rows = transfer.run(_args(transfer, "--device", "cuda", "--mover", "batch", "--blocks", "64", "--reps", "3",
+                              "--layers", "4", "--tokens-per-block", "8", "--behind-ms", "1"))
+    behind = {r["op"]: r for r in rows if "behind" in r["op"]}
+    assert set(behind) == {"store behind 1 ms of work", "retrieve behind 1 ms of work"}
+    assert all(0 < r["ratio"] and 0 < r["GB/s"] for r in behind.values())
+    # The clock starts where the work ends: 5 ms of work before a no-op reads as (almost) nothing.
+    device = torch.device("cuda")
+    nothing_s, _, _ = behind_work_seconds(lambda: None, lambda: None, device, reps=3, work_s=0.005)
+    assert nothing_s < 0.001
+
+
 def test_what_runs_before_an_operation_is_off_its_clock():
     """``paired_seconds(before=...)``: a load's lookup (the scheduler's call) runs ahead of each timed
     load, every time, and none of its time is counted."""

@@ -126,6 +126,56 @@ def paired_seconds(
     return statistics.median(ops), statistics.median(ceilings), ratio
 
 
+def gpu_work(device: torch.device) -> Callable[[float], None]:
+    """A function that enqueues ``seconds`` of GPU busy-waiting on the current stream (the stand-in
+    for a forward: no memory traffic, no SMs worth counting), its clock calibrated here once."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1 << 16)  # (a first launch pays module loading)
+    start.record()
+    torch.cuda._sleep(1 << 22)
+    end.record()
+    end.synchronize()
+    cycles_per_s = (1 << 22) / (start.elapsed_time(end) / 1e3)
+    return lambda seconds: torch.cuda._sleep(max(1, int(seconds * cycles_per_s)))
+
+
+def behind_work_seconds(
+    op: Callable[[], Any], ceiling: Callable[[], Any], device: torch.device, reps: int, work_s: float,
+    before: Callable[[], Any] | None = None,
+) -> tuple[float, float, float]:
+    """``paired_seconds`` for an operation called while the GPU is still busy, as an engine calls
+    it: a store right after enqueueing the forward that wrote its KV (TensorRT-LLM's
+    ``wait_for_save``), a load behind the previous step's work. Each run enqueues ``work_s`` of
+    GPU work, records an event at its end, calls the function and records another event once it
+    has returned: the time between the two events is what the GPU saw, from the work's end to
+    the operation's (a store's ``wait`` and the memcpy's synchronize both return on the host
+    first, so both pay that wake-up). The host's own latency before the first copy counts only
+    where it outlasts the work. CUDA only."""
+    work = gpu_work(device)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        sync(device)
+        done, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        work(work_s)
+        done.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return done.elapsed_time(end) / 1e3
+
+    if before is not None:
+        before()
+    timed(op), timed(ceiling)  # warm-up
+    ops, ceilings = [], []
+    for _ in range(reps):
+        if before is not None:
+            before()
+        ops.append(timed(op))
+        ceilings.append(timed(ceiling))
+    ratio = statistics.median(c / o for c, o in zip(ceilings, ops, strict=True))
+    return statistics.median(ops), statistics.median(ceilings), ratio
+
+
 def compute_share(transfer: Callable[[], Any], seconds: float, device: torch.device, reps: int = 3) -> float:
     """Throughput of a bf16 matmul loop on another stream while ``transfer`` runs, over alone (1.0:
     the transfer costs compute nothing). Copy engines use no SMs; gather kernels and copying

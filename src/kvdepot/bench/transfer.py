@@ -23,6 +23,7 @@ import torch
 from kvdepot.bench import call_anatomy
 from kvdepot.bench.common import (
     Memcpy,
+    behind_work_seconds,
     compute_share,
     device_name,
     gpu_timeline,
@@ -52,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch mover: config store_head_mib values to compare, comma-separated (default: the config's)")
     parser.add_argument("--lanes", default=None,
                         help="batch mover: config transfer_lanes values to compare, comma-separated (default: the config's)")
+    parser.add_argument("--behind-ms", type=float, default=2.0,
+                        help="CUDA: also time a store and a retrieve called while the GPU still runs this many ms of "
+                             "work (an engine's call order: the forward, then its store), from the work's end; 0: not")
     parser.add_argument("--timeline", action="store_true",
                         help="also attribute one store and one retrieve: CPU lead-in, copy-engine busy time, gaps (CUDA)")
     parser.add_argument("--anatomy", action="store_true",
@@ -60,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_arguments(parser)
 
 
-STEPS_CUDA, STEPS_CPU = 7, 4  # measurements per mover (the bar's steps)
+STEPS_CUDA, STEPS_CPU = 9, 4  # measurements per mover (the bar's steps; CUDA: 2 fewer with --behind-ms 0)
 
 
 def _variants(args: argparse.Namespace, mover: str) -> list[dict[str, float]]:
@@ -135,7 +139,9 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     # Keys and block ids are drawn before the clock starts: hashing is the scheduler's cost
     # (``bench lookup``), not the transfer's.
     anatomy = bool(getattr(args, "anatomy", False)) and device.type == "cuda" and hasattr(engine.mover, "driver")
-    batches = [(fresh_keys(), ids()) for _ in range(4 + 6 * args.reps + 16 + (args.reps if anatomy else 0))]
+    behind = device.type == "cuda" and getattr(args, "behind_ms", 0.0) > 0
+    batches = [(fresh_keys(), ids())
+               for _ in range(4 + 6 * args.reps + 16 + (args.reps if anatomy else 0) + (args.reps + 1 if behind else 0))]
 
     calls: list[float] = []  # seconds the caller spent in the engine's calls, per timed operation
 
@@ -231,6 +237,19 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
             both2_s, bidir2_s, both2_ratio = paired_seconds(lambda: both(2), lambda: (both_copy(), both_copy()),
                                                             device, args.reps, before=lookup)
         add("both, 2 each in flight", 4 * nbytes, both2_s, bidir2_s, both2_ratio)
+    if behind:
+        behind_ms = args.behind_ms
+        # The rows above start each operation on an idle GPU, so the host's time before the first
+        # copy is all on the clock; in an engine the store is called while its forward still runs.
+        stream = torch.cuda.current_stream(device)
+        with report.step(f"{label}: store behind work"):
+            behind_s, d2h_b_s, behind_ratio = behind_work_seconds(
+                store, lambda: (copies.d2h(), stream.synchronize()), device, args.reps, behind_ms / 1e3, before=lookup)
+        add(f"store behind {behind_ms:g} ms of work", nbytes, behind_s, d2h_b_s, behind_ratio)
+        with report.step(f"{label}: retrieve behind work"):
+            behind_s, h2d_b_s, behind_ratio = behind_work_seconds(retrieve, copies.h2d, device, args.reps, behind_ms / 1e3,
+                                                                  before=lookup)
+        add(f"retrieve behind {behind_ms:g} ms of work", nbytes, behind_s, h2d_b_s, behind_ratio)
     if share is not None:
         # ratio here: matmul throughput beside a store over alone (1.0 = the store costs compute nothing)
         report.add({**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share,
