@@ -21,6 +21,11 @@ the whole ``forward``: where a hit's time above its device hit went, before the 
 inside it, the device's median ``ms/layer`` against the device hit's, and how many layers the
 host paced (the device passed their marks as soon as the host enqueued them).
 
+``--repeats N`` times N hits and device hits per length, each after its own filler: a row shows
+the try whose hit is the median, with the hits' range (single TTFTs moved by 5-25% between runs
+on GPU hosts). With both ``in-process`` and ``mp``, a last table gives MP over in-process per
+length, raw and with each hit over its own engine's device hit.
+
 And the target the issue sets, from figures measured in this run:
 ``bound = 1.2 x KV bytes / memcpy GB/s + device-hit TTFT``. A 0%-reuse run (distinct prompts)
 with and without the connector gives the miss overhead on TTFT and on decode throughput, and the
