@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abmp goals19 anatomy19
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp goals19 anatomy19
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -97,6 +97,15 @@ from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --dis
         python3 -m kvdepot.cli bench ab --old "${OLD_SRC:?set OLD_SRC to the src dir of an older tree}" --first $first \
           --rounds ${AB_ROUNDS:-40} ${AB_SHAPE:-} 2>&1 | grep -E "^(kvdepot bench ab|store|retrieve|both) "
       done 2>&1 | tee "$OUT/abin.txt" ;;
+    abshapes) # bench ab on each of issue 19's four shapes, two processes each (new built first, then old): the
+              # before/after of the issue in one run (OLD_SRC: e.g. the tree at its filing, git archive 188eb7f src)
+      for shape in "--layers 32 --head-dim 128 --tokens-per-block 32" "--layers 32 --head-dim 128 --tokens-per-block 8" \
+                   "--layers 16 --head-dim 64 --tokens-per-block 32" "--layers 16 --head-dim 64 --tokens-per-block 8"; do
+        for first in new old; do echo "--- $shape, $first built first"
+          python3 -m kvdepot.cli bench ab --old "${OLD_SRC:?set OLD_SRC to the src dir of an older tree}" --first $first \
+            --rounds ${AB_ROUNDS:-20} $shape 2>&1 | grep -E "^(store|retrieve|both) "
+        done
+      done 2>&1 | tee "$OUT/abshapes.txt" ;;
     abmp) # TTFT in-process and MP, an older tree (OLD_SRC, as for ab19) and this one, old new new old (~6 min):
           # a change to the server's loads by layer, judged where it shows (the server runs the same tree)
       for tree in "${OLD_SRC:?set OLD_SRC to the src dir of an older tree}" src src "$OLD_SRC"; do
