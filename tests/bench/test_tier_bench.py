@@ -84,3 +84,22 @@ def test_ttft_part_on_a_given_server_leaves_no_keys(redis_server: RedisServer, m
                                 "--prompt-tokens", "200", "--prompts", "2"))
     assert next(r for r in rows if r["phase"] == "redis hit")["tokens loaded"] == 192  # it did store there
     assert redis_server.client().keys("*") == [b"users-own-key"]
+
+
+@pytest.mark.parametrize("mib", ["3", "0.1"], ids=["in pieces", "unaligned, one read"])
+def test_disk_reads_by_setting_pair_every_setting_with_raw_reads(tmp_path: Path, mib: str) -> None:
+    rows = tiers.run(bench_args("--parts", "disk", "--chunk-mib", mib, "--disk-path", str(tmp_path),
+                                "--read-settings", "1:2,2:4"))
+    by_setting = {r["setting"]: r for r in rows if "setting" in r}
+    assert [r["op"] for r in rows if "op" in r] == DISK_OPS  # the usual rows first, unchanged
+    assert list(by_setting) == ["1:2", "2:4"] and by_setting["2:4"]["in flight MiB"] == 8
+    assert all(r["paired ratio"] > 0 and r["tier GB/s"] > 0 for r in by_setting.values())
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("text", "says"), [("2", "'2' is not MiB:depth"), ("2:0", "at least 1"), (",", "at least one")])
+def test_a_bad_read_setting_names_the_option(text: str, says: str) -> None:
+    from kvdepot.bench.disk_reads import parse_settings
+
+    with pytest.raises(SystemExit, match=f"--read-settings: .*{says}"):
+        parse_settings(text)

@@ -169,3 +169,25 @@ def test_closing_the_tier_under_a_long_read_waits_for_it(
     assert not [t for t in threading.enumerate() if t.name.startswith("kvdepot-disk-")]
     out = _buffer()
     assert tier.get_into(key, out) == N and out == _payload(5)
+
+
+def test_a_tier_given_its_own_read_setting_reads_by_it(tmp_path: Path, slow: _SlowReads) -> None:
+    """``read_piece`` / ``read_depth`` set one tier's long reads (``bench tiers --read-settings``
+    builds one tier per setting), whatever the module's defaults."""
+    t = DiskTier(tmp_path / "disk", 10**8, NS, o_direct=False, read_piece=3 * PIECE, read_depth=2)
+    try:
+        assert t.put(ChunkKey(bytes(16)), _payload(4))
+        out = _buffer()
+        slow.started = slow.finished = slow.most = 0
+        assert t.get_into(ChunkKey(bytes(16)), out) == N and out == _payload(4)
+        assert slow.most == 2
+        assert slow.started == slow.finished == 4 + 1  # twelve PIECEs in pieces of three, and the partial block
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [({"read_piece": disk.ALIGN + 1}, "read_piece=4097"),
+                                               ({"read_piece": 0}, "read_piece=0"), ({"read_depth": 0}, "read_depth=0")])
+def test_a_bad_read_setting_is_refused_naming_it(tmp_path: Path, kwargs: dict, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        DiskTier(tmp_path / "disk", 10**8, NS, o_direct=False, **kwargs)

@@ -41,11 +41,9 @@ for step in $steps; do
         } 2>&1 | tee "$OUT/mp.txt" ;;
     tiers) mkdir -p /tmp/kvd-disk; df -T /tmp/kvd-disk | tail -1
            python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/tiers.txt" ;;
-    pieces) mkdir -p /tmp/kvd-disk  # disk reads by piece size and pieces in flight, MiB:depth (1024:1: one read, then one checksum pass)
-            for pd in ${PIECES:-2:4 2:8 2:16 4:8 2:4 2:8 2:16 4:8}; do echo "--- READ_PIECE ${pd%:*} MiB, READ_DEPTH ${pd#*:}"
-              python3 -c "import sys; from kvdepot.storage import disk_io; disk_io.READ_PIECE = ${pd%:*} << 20; disk_io.READ_DEPTH = ${pd#*:}
-from kvdepot.cli import main; main(sys.argv[1:])" bench tiers --parts disk --disk-path /tmp/kvd-disk --reps 5
-            done 2>&1 | tee "$OUT/pieces.txt" ;;
+    pieces) mkdir -p /tmp/kvd-disk  # get_into by read setting (MiB:depth), one process, each read paired with a raw read
+            python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk --reps ${PIECE_REPS:-6} \
+              --read-settings ${PIECES:-2:4,2:8,2:16,4:8,8:4} 2>&1 | tee "$OUT/pieces.txt" ;;
     anatomy) { python3 -m kvdepot.cli bench transfer --mover staged --timeline
                python3 -m kvdepot.cli bench transfer --mover runs --timeline
                python3 -m kvdepot.cli bench transfer --layers 16 --head-dim 64 --tokens-per-block 8 --mover staged --timeline

@@ -33,6 +33,7 @@ import redis
 import torch
 
 from kvdepot.bench.common import median_seconds
+from kvdepot.bench.disk_reads import parse_settings, read_settings_rows
 from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.config import load_config
 from kvdepot.keys import ChunkKey
@@ -55,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="O_DIRECT for the tier and the raw calls alike (default: config disk_o_direct)")
     parser.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=config.disk_fsync,
                         help="fsync each object (tier) and file (raw) before it counts (default: config disk_fsync)")
+    parser.add_argument("--read-settings", default=None, metavar="MiB:DEPTH[,...]",
+                        help="disk: also get_into under each read setting (piece MiB : pieces in flight), one tier each, "
+                             "interleaved chunk by chunk with raw reads in this process (bench/disk_reads.py)")
     parser.add_argument("--remote-url", default=None, help="Redis URL (default: start a redis-server here); every key the "
                         "bench writes there is deleted when it ends")
     parser.add_argument("--redis-timeout", type=float, default=5.0, help="socket timeout of both Redis clients (s)")
@@ -71,11 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     parts, size = set(args.parts.split(",")), int(args.chunk_mib * 2**20)
+    settings = parse_settings(args.read_settings) if getattr(args, "read_settings", None) else []
     payload = os.urandom(size)
     root = Path(tempfile.mkdtemp(prefix="kvdepot-bench-tiers-", dir=args.disk_path))
     server, url = None, args.remote_url
     redis_steps = 3 + len(set(args.streams.split(",")))  # put/get, get_into, each batch of streams, promote
-    steps = (args.reps + 1) * (2 * ("disk" in parts) + redis_steps * ("redis" in parts)) + 4 * ("ttft" in parts)
+    steps = (args.reps + 1) * ((2 + bool(settings)) * ("disk" in parts) + redis_steps * ("redis" in parts)) + 4 * ("ttft" in parts)
     report = Report(args, steps=steps, device=torch.device("cpu") if "ttft" in parts else None, name="bench tiers",
                     bars=Bars(("tier", "op"), ("tier GB/s", "raw GB/s"), "GB/s"))
     try:
@@ -88,6 +93,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                          f"{cost['memcpy']:.1f}, copy to fresh memory {cost['fresh']:.1f}", op=28, reads=25)
         if "disk" in parts:
             _disk(args, root, payload, cost, report)
+            if settings:
+                report.table(f"disk get_into by read setting (piece MiB : pieces in flight), {args.chunks} x "
+                             f"{size / 2**20:g} MiB x {args.reps} reps, each read paired with a raw read", setting=7)
+                read_settings_rows(args, root, payload, settings, report)
         if "redis" in parts:
             # NOTE: imported here: tiers_redis imports this module's helpers
             from kvdepot.bench.tiers_redis import redis_rows

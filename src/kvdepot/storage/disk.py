@@ -70,6 +70,8 @@ class DiskTier:
         fsync: bool = False,
         policy: str = "lru",
         events: EventSink = NULL_SINK,
+        read_piece: int | None = None,
+        read_depth: int | None = None,
     ) -> None:
         """Args:
         path: the tier's directory (shared by namespaces: each gets its own subdirectory).
@@ -79,6 +81,9 @@ class DiskTier:
         o_direct: None or True = use O_DIRECT if the probe succeeds; False = never.
         fsync: fsync each object and its directory before it counts as stored.
         events: told of every object stored and every one forgotten (evicted, deleted, corrupt).
+        read_piece, read_depth: a long read's piece size (bytes) and pieces in flight (None: the
+            defaults, ``disk_io.READ_PIECE`` and ``READ_DEPTH``); ``bench tiers --read-settings``
+            compares settings, one tier each.
         """
         self.namespace = codec.check_namespace(namespace)
         self.base = Path(path)
@@ -90,7 +95,7 @@ class DiskTier:
         direct = o_direct is not False and probe_o_direct(self.root, self._budget.claim_id)
         if o_direct and not direct:
             logger.info("disk tier %s: O_DIRECT not supported here; using buffered I/O", self.root)
-        self._io = ObjectFiles(self.namespace, direct, fsync, self.root)
+        self._io = ObjectFiles(self.namespace, direct, fsync, self.root, read_piece=read_piece, read_depth=read_depth)
         self._sizes: dict[ChunkKey, int] = {}
         self._writing: set[ChunkKey] = set()
         self._policy = POLICIES[policy]()

@@ -125,9 +125,16 @@ def _transfer(call: Callable[[int, list[memoryview], int], int], fd: int, parts:
 class ObjectFiles:
     """Aligned chunk objects of one namespace: ``write`` one to a path, ``read`` one back verified."""
 
-    def __init__(self, namespace: bytes, o_direct: bool, fsync: bool, where: object) -> None:
-        """``where`` names the directory in log lines."""
+    def __init__(self, namespace: bytes, o_direct: bool, fsync: bool, where: object, *,
+                 read_piece: int | None = None, read_depth: int | None = None) -> None:
+        """``where`` names the directory in log lines. ``read_piece`` (bytes) and ``read_depth``:
+        this object's long reads (None: ``READ_PIECE`` and ``READ_DEPTH`` as they are at the read)."""
         self.namespace, self.o_direct, self.fsync, self.where = namespace, o_direct, fsync, where
+        if read_piece is not None and (read_piece < ALIGN or read_piece % ALIGN):
+            raise ValueError(f"read_piece={read_piece}: a positive multiple of {ALIGN} bytes (O_DIRECT offsets)")
+        if read_depth is not None and read_depth < 1:
+            raise ValueError(f"read_depth={read_depth}: at least 1 piece in flight")
+        self.read_piece, self.read_depth = read_piece, read_depth
         self._local = threading.local()  # per-thread aligned buffers for O_DIRECT
         self._lock = threading.Lock()
         self._helpers: ThreadPoolExecutor | None = None  # checksums that overlap writes and reads
@@ -173,7 +180,7 @@ class ObjectFiles:
         queued behind helpers busy with other payloads' checksums would never come."""
         with self._lock:
             if self._readers is None:
-                self._readers = ThreadPoolExecutor(4 * READ_DEPTH, thread_name_prefix="kvdepot-disk-read")
+                self._readers = ThreadPoolExecutor(4 * (self.read_depth or READ_DEPTH), thread_name_prefix="kvdepot-disk-read")
             return self._readers
 
     def _blocks(self) -> memoryview:
@@ -270,7 +277,8 @@ class ObjectFiles:
         n, blocks = dst.nbytes, self._blocks()
         head, tail = blocks[:ALIGN], blocks[ALIGN:]
         cut = n - n % ALIGN if direct else n  # O_DIRECT reads the last partial block into ``tail``
-        spans = [(pos, min(pos + READ_PIECE, cut)) for pos in range(0, cut, READ_PIECE)]
+        piece, depth = self.read_piece or READ_PIECE, self.read_depth or READ_DEPTH
+        spans = [(pos, min(pos + piece, cut)) for pos in range(0, cut, piece)]
         readers = self._reader()
 
         def start(i: int) -> tuple[Future[int], int]:
@@ -279,7 +287,7 @@ class ObjectFiles:
                 return readers.submit(_transfer, os.preadv, fd, [head, dst[lo:hi]], 0, OFFSET + hi), OFFSET + hi
             return readers.submit(_transfer, os.preadv, fd, [dst[lo:hi]], OFFSET + lo, hi - lo), hi - lo
 
-        flight = deque(start(i) for i in range(min(READ_DEPTH, len(spans))))
+        flight = deque(start(i) for i in range(min(depth, len(spans))))
         pieces: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
         verdict: Future[bool] | None = None
         try:
@@ -354,7 +362,7 @@ class ObjectFiles:
                     return None, CORRUPT
                 head = bounce[:ALIGN]
                 dst[:] = bounce[OFFSET:size]
-            elif n > READ_PIECE:
+            elif n > (self.read_piece or READ_PIECE):
                 return self._read_pieces(fd, key, dst, direct)
             else:
                 parts = [head, dst[:cut], tail] if direct and cut < n else [head, dst]
