@@ -67,7 +67,7 @@ def test_the_summary_takes_each_processes_first_over_its_later_hits_then_the_med
 def test_processes_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         _args("--processes", "0")
-    assert "--processes: 0 is not a positive integer" in capsys.readouterr().err
+    assert "--processes: '0' is not a whole number >= 1" in capsys.readouterr().err
 
 
 def test_several_processes_each_give_their_own_first_hit():

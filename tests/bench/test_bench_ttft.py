@@ -49,7 +49,7 @@ def test_repeats_must_be_positive(capsys):
     add_arguments(parser)
     with pytest.raises(SystemExit):
         parser.parse_args(["--repeats", "0"])
-    assert "--repeats: 0 is not a positive integer" in capsys.readouterr().err
+    assert "--repeats: '0' is not a whole number >= 1" in capsys.readouterr().err
 
 
 def test_unknown_mode_is_refused():

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from kvdepot.bench.common import positive
 from kvdepot.bench.report import Report, add_output_arguments
 
 ORDERS = ("kvdepot-first", "device-first")
@@ -54,17 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="which kind of hit a fresh process meets first (both: one process each)")
     parser.add_argument("--warmup", choices=WARMUPS + ("both",), default="both",
                         help="the engine's warm-up at construction (Engine.warm_up) on, off, or both (a process each)")
-    parser.add_argument("--processes", type=_positive, default=1,
+    parser.add_argument("--processes", type=positive, default=1,
                         help="fresh processes per order and warm-up: a process has one first hit, and one process "
                              "read 0.74-1.05 (issue 19); the summary gives the median and range over them")
     add_output_arguments(parser)
 
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return n
 
 
 def _one_order(args: argparse.Namespace, order: str, warmup: str) -> list[dict[str, Any]]:

@@ -47,7 +47,7 @@ from unittest import mock
 
 import torch
 
-from kvdepot.bench.common import device_name, memcpy_ceiling
+from kvdepot.bench.common import device_name, memcpy_ceiling, positive
 from kvdepot.bench.connector_clock import ConnectorClock
 from kvdepot.bench.forward_marks import ForwardMarks
 from kvdepot.bench.report import Report
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "engine's); several values are measured alternately in one process, --rounds times")
     add_first_arguments(parser)
     parser.add_argument("--rounds", type=int, default=1, help="with several --layers-ahead values: rounds over them")
-    parser.add_argument("--repeats", type=_positive, default=1,
+    parser.add_argument("--repeats", type=positive, default=1,
                         help="hits (and device hits) per prompt length, each after its own filler; a row shows the "
                              "one whose hit is the median, and the hits' range")
     parser.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of TTFT vs prompt length here "
@@ -303,12 +303,6 @@ def _misses(args: argparse.Namespace) -> list[dict]:
     rows[1]["connector host share"] = clock.seconds / wall  # of the connected runs' wall time
     return rows
 
-
-def _positive(value: str) -> int:
-    n = int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return n
 
 
 def _preset_names() -> list[str]:
