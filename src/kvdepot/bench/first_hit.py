@@ -14,7 +14,8 @@ If the first row of either kind is slow only when it comes first in its process,
 runtime's (it follows whatever runs first); if the first kvdepot hit is slow in both orders, it is
 kvdepot's. ``--processes``: each order and warm-up in that many fresh processes (a process has
 one first hit; on a GPU host one process's first/later read anywhere from 0.74 to 1.05), and the
-summary gives each ratio's median and range over them. Every hit must load the whole prompt (else the bench raises).
+summary gives each ratio's median and range over them. Every hit must load the whole prompt
+(else the bench raises).
 
 ``--warmup``: whether the engine runs its construction-time warm-up (``Engine.warm_up``: a prefill,
 a chunk and a token over past KV, before the pool is registered, as TensorRT-LLM 1.2's

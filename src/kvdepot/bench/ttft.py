@@ -304,7 +304,6 @@ def _misses(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-
 def _preset_names() -> list[str]:
     from kvdepot.runtime.weights import all_preset_names
 
