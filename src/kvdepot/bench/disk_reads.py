@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import os
 import random
 import statistics
 import time
-import uuid
 from pathlib import Path
 
 from kvdepot.bench.report import Report
-from kvdepot.keys import ChunkKey
+from kvdepot.bench.tiers import NS, _check, _key, _o_direct, _raw_io
 from kvdepot.storage import disk_io
-from kvdepot.storage.disk import ALIGN, O_DIRECT, DiskTier
-
-NS = bytes(range(16))
+from kvdepot.storage.disk import ALIGN, DiskTier
 
 
 def parse_settings(text: str) -> list[tuple[int, int]]:
@@ -54,16 +50,15 @@ def read_settings_rows(args: argparse.Namespace, root: Path, payload: bytes, set
     """One ``DiskTier`` per setting under ``root``; ``args.chunks`` chunks per repetition, a warm-up
     repetition first (untimed)."""
     size = len(payload)
-    o_direct = {"auto": None, "true": True, "false": False}[args.o_direct]
     tiers = {(piece, depth): DiskTier(root / f"reads-{piece >> 20}-{depth}", 2 * (size + 2 * ALIGN), NS, fsync=args.fsync,
-                                      o_direct=o_direct, read_piece=piece, read_depth=depth) for piece, depth in settings}
+                                      o_direct=_o_direct(args), read_piece=piece, read_depth=depth)
+             for piece, depth in settings}
     direct = next(iter(tiers.values())).o_direct
     (root / "reads-raw").mkdir()
-    span = -(-size // ALIGN) * ALIGN
+    span = -(-size // ALIGN) * ALIGN  # whole blocks, as O_DIRECT moves them
     src, dst = mmap.mmap(-1, span), mmap.mmap(-1, span)
     src[:size] = payload
     out = memoryview(dst)[:size]
-    flags = O_DIRECT if direct else 0
     seconds: dict[tuple[int, int] | None, list[float]] = {key: [] for key in [None, *tiers]}
     ratios: dict[tuple[int, int], list[float]] = {key: [] for key in tiers}
     after: dict[tuple[int, int], list[float]] = {key: [] for key in tiers}
@@ -82,36 +77,24 @@ def read_settings_rows(args: argparse.Namespace, root: Path, payload: bytes, set
         for rep in range(args.reps + 1):
             with report.step(f"disk reads by setting: {'warm-up' if rep == 0 else f'repetition {rep}'}"):
                 for i in range(args.chunks):
-                    key, path = ChunkKey(uuid.uuid4().bytes), root / "reads-raw" / f"{rep}.{i}"
+                    key, path = _key(), root / "reads-raw" / f"{rep}.{i}"
                     for tier in tiers.values():
-                        if not tier.put(key, memoryview(src)[:size]):
-                            raise RuntimeError("bench tiers: disk put refused")
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flags, 0o600)
-                    try:
-                        os.pwrite(fd, src, 0)
-                        if args.fsync:
-                            os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                        _check(tier.put(key, memoryview(src)[:size]), "disk put refused")
+                    _raw_io(path, memoryview(src), direct, True, args.fsync)
                     order: list[tuple[int, int] | None] = [None, *tiers]
                     rng.shuffle(order)
                     took: dict[tuple[int, int] | None, float] = {}
                     for setting in order:
                         start = time.perf_counter()
                         if setting is None:
-                            fd = os.open(path, os.O_RDONLY | flags)
-                            try:  # the whole aligned buffer: O_DIRECT reads whole blocks
-                                got = min(os.preadv(fd, [memoryview(dst)], 0), size)
-                            finally:
-                                os.close(fd)
+                            _check(_raw_io(path, memoryview(dst), direct, False) >= size, "short read")
                         else:
                             read_ends.clear()
                             got = tiers[setting].get_into(key, out)
                             if rep and read_ends:
                                 after[setting].append(time.perf_counter() - max(read_ends))
+                            _check(got == size, f"get_into by setting {setting} missed a chunk it holds")
                         took[setting] = time.perf_counter() - start
-                        if got != size:
-                            raise RuntimeError(f"bench tiers: a read by setting {setting} returned {got} of {size} bytes")
                     if rep:
                         for setting, s in took.items():
                             seconds[setting].append(s)

@@ -33,7 +33,6 @@ import redis
 import torch
 
 from kvdepot.bench.common import median_seconds
-from kvdepot.bench.disk_reads import parse_settings, read_settings_rows
 from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.config import load_config
 from kvdepot.keys import ChunkKey
@@ -75,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     parts, size = set(args.parts.split(",")), int(args.chunk_mib * 2**20)
+    # NOTE: imported here, as tiers_redis below: disk_reads imports this module's helpers
+    from kvdepot.bench.disk_reads import parse_settings, read_settings_rows
+
     settings = parse_settings(args.read_settings) if getattr(args, "read_settings", None) else []
     payload = os.urandom(size)
     root = Path(tempfile.mkdtemp(prefix="kvdepot-bench-tiers-", dir=args.disk_path))
@@ -166,6 +168,11 @@ def _fs_type(path: Path) -> str:
     return f"{fs} ({dev} at {mnt})"
 
 
+def _o_direct(args: argparse.Namespace) -> bool | None:
+    """``--o-direct`` as ``DiskTier`` takes it (None: probe the directory)."""
+    return {"auto": None, "true": True, "false": False}[args.o_direct]
+
+
 def _raw_io(path: Path, buf: memoryview, direct: bool, write: bool, fsync: bool = False) -> int:
     fd = os.open(path, (os.O_WRONLY | os.O_CREAT | os.O_EXCL if write else os.O_RDONLY) | (O_DIRECT if direct else 0), 0o600)
     try:
@@ -192,8 +199,7 @@ def _disk(args: argparse.Namespace, root: Path, payload: bytes, cost: dict[str, 
     (in the engine: host-arena slots). Labelled extras: get (new memory each call) and put of a
     ``bytes`` object (unaligned, as a ``tobytes()`` copy of a slot is)."""
     n, size, reps = args.chunks, len(payload), range(args.reps + 1)
-    tier = DiskTier(root / "tier", 4 * n * (size + 2 * ALIGN), NS, fsync=args.fsync,
-                    o_direct={"auto": None, "true": True, "false": False}[args.o_direct])
+    tier = DiskTier(root / "tier", 4 * n * (size + 2 * ALIGN), NS, fsync=args.fsync, o_direct=_o_direct(args))
     direct = tier.o_direct
     span = -(-size // ALIGN) * ALIGN if direct else size  # O_DIRECT moves whole blocks
     # page-aligned, as O_DIRECT needs. Tier and raw calls share them: in an A/A run of raw reads on
