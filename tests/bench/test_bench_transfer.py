@@ -71,6 +71,13 @@ def test_bench_transfer_times_a_store_and_a_retrieve_behind_gpu_work(kvdepot_env
     assert nothing_s < 0.001
 
 
+@pytest.mark.parametrize("value", ["-1", "soon", "nan"])
+def test_a_bad_behind_ms_names_the_option(value, capsys):
+    with pytest.raises(SystemExit):
+        _args(transfer, "--behind-ms", value)
+    assert f"--behind-ms: '{value}' is not a number of milliseconds >= 0" in capsys.readouterr().err
+
+
 def test_what_runs_before_an_operation_is_off_its_clock():
     """``paired_seconds(before=...)``: a load's lookup (the scheduler's call) runs ahead of each timed
     load, every time, and none of its time is counted."""

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch mover: config store_head_mib values to compare, comma-separated (default: the config's)")
     parser.add_argument("--lanes", default=None,
                         help="batch mover: config transfer_lanes values to compare, comma-separated (default: the config's)")
-    parser.add_argument("--behind-ms", type=float, default=2.0,
+    parser.add_argument("--behind-ms", type=_milliseconds, default=2.0,
                         help="CUDA: also time a store and a retrieve called while the GPU still runs this many ms of "
                              "work (an engine's call order: the forward, then its store), from the work's end; 0: not")
     parser.add_argument("--timeline", action="store_true",
@@ -62,6 +62,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch mover, CUDA: also take --reps stores and retrieves apart by timing events (GPU lead, copy "
                              "span, tail, driver calls, simulated engine idle) beside a memcpy of the same bytes")
     add_output_arguments(parser)
+
+
+def _milliseconds(value: str) -> float:
+    """``--behind-ms``: a number of milliseconds, 0 or more (0 leaves the rows out)."""
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if not ms >= 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of milliseconds >= 0")
+    return ms
 
 
 STEPS_CUDA, STEPS_CPU = 9, 4  # measurements per mover (the bar's steps; CUDA: 2 fewer with --behind-ms 0)
