@@ -154,3 +154,23 @@ def test_bench_dma_measures_every_row_against_memcpy():
     assert [r["op"] for r in rows] == ["store", "retrieve", "both", "store, engines only", "retrieve, engines only"]
     assert all(0 < r["ratio"] < 2 for r in rows)
     assert all(r["driver us"] > 0 for r in rows[3:])
+
+
+def test_a_pair_can_be_timed_by_another_clock():
+    """``paired_seconds(clock=...)``: every timed call goes through the clock (``behind_work_seconds``
+    times by CUDA events there), the warm-up does not, and the ratio pairs what it returned."""
+    seen = []
+
+    def clock(fn):
+        fn()
+        seen.append(fn)
+        return 2.0 if fn is op else 1.0
+
+    def op():
+        pass
+
+    def ceiling():
+        pass
+
+    assert paired_seconds(op, ceiling, torch.device("cpu"), reps=3, clock=clock) == (2.0, 1.0, 0.5)
+    assert seen == [op, ceiling] * 3

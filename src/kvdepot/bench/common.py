@@ -100,12 +100,22 @@ def memcpy_ceiling(nbytes: int, device: torch.device, reps: int) -> tuple[float,
 
 def paired_seconds(
     op: Callable[[], Any], ceiling: Callable[[], Any], device: torch.device, reps: int, warmup: int = 1,
-    before: Callable[[], Any] | None = None,
+    before: Callable[[], Any] | None = None, clock: Callable[[Callable[[], Any]], float] | None = None,
 ) -> tuple[float, float, float]:
     """(median seconds of ``op``, of ``ceiling``, median of the per-pair ratios ceiling/op), the
     two timed alternately. Single runs on the H200 moved by 10-20% with what else crossed the
     host's PCIe switch; a drift like that hits both members of a pair alike. ``before`` runs
-    ahead of each ``op``, off the clock (a load's lookup, which an engine's scheduler makes)."""
+    ahead of each ``op``, off the clock (a load's lookup, which an engine's scheduler makes).
+    ``clock``: the seconds one call takes (default: host time, the device synchronized around it)."""
+
+    def host_clock(fn: Callable[[], Any]) -> float:
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        return time.perf_counter() - start
+
+    timed = clock or host_clock
     for _ in range(warmup):
         if before is not None:
             before()
@@ -117,11 +127,7 @@ def paired_seconds(
         for fn, times in ((op, ops), (ceiling, ceilings)):
             if before is not None and fn is op:
                 before()
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - start)
+            times.append(timed(fn))
     ratio = statistics.median(c / o for c, o in zip(ceilings, ops, strict=True))
     return statistics.median(ops), statistics.median(ceilings), ratio
 
@@ -153,7 +159,7 @@ def behind_work_seconds(
     where it outlasts the work. CUDA only."""
     work = gpu_work(device)
 
-    def timed(fn: Callable[[], Any]) -> float:
+    def behind(fn: Callable[[], Any]) -> float:
         sync(device)
         done, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         work(work_s)
@@ -163,17 +169,7 @@ def behind_work_seconds(
         end.synchronize()
         return done.elapsed_time(end) / 1e3
 
-    if before is not None:
-        before()
-    timed(op), timed(ceiling)  # warm-up
-    ops, ceilings = [], []
-    for _ in range(reps):
-        if before is not None:
-            before()
-        ops.append(timed(op))
-        ceilings.append(timed(ceiling))
-    ratio = statistics.median(c / o for c, o in zip(ceilings, ops, strict=True))
-    return statistics.median(ops), statistics.median(ceilings), ratio
+    return paired_seconds(op, ceiling, device, reps, before=before, clock=behind)
 
 
 def compute_share(transfer: Callable[[], Any], seconds: float, device: torch.device, reps: int = 3) -> float:
