@@ -131,8 +131,9 @@ class LoadPath:
         """``retrieve``, copied layer by layer where it can be (``can_load_by_layer``): ``stream``
         is then *not* made to wait, and the caller must wait on the returned ``LayeredLoad``
         layer by layer before each layer reads the blocks (and wholly before anything else does).
-        Its layers are enqueued as it is waited on, a few ahead (``transfer/layered.py``); what
-        nobody waited for is enqueued by ``wait_all`` and the store handles' ``wait``.
+        Its first layers are enqueued in the call, the rest by the engine's layer thread, or by a
+        wait that gets there first (``transfer/layered.py``); what nobody enqueued is enqueued by
+        ``wait_all`` and the store handles' ``wait``.
         The load is ``None`` where it was done whole or nothing was loaded: ``stream`` then waits
         as after ``retrieve``. Raises ``TransferFailed`` where the copies cannot be enqueued
         (now, or from the load's ``wait_layer`` later)."""
@@ -218,7 +219,7 @@ class LoadPath:
             self._finish_check(check)
             return skip_blocks * B, None
         layered = None
-        if by_layer:  # enqueued a few layers ahead of the forward as it waits (transfer/layered.py)
+        if by_layer:  # the first layers now, the rest by the layer thread or the forward's waits (transfer/layered.py)
             layers = self.mover.scatter_layers(copies, self._views, self.layout.num_layers)
             layered = self._transfers.start_layered(layers, self.layout.num_layers, lambda: self.host.release(pin), stream,
                                                     on_layer)

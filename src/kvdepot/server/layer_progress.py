@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import queue
 import threading
 import time
 from collections import OrderedDict
@@ -42,7 +41,7 @@ from typing import Any
 
 from kvdepot.errors import KVDepotError
 from kvdepot.server.progress_page import ProgressPage
-from kvdepot.transfer.layered import LayerWaits, TransferFailed
+from kvdepot.transfer.layered import LayerIssuer, LayerWaits, TransferFailed
 
 logger = logging.getLogger("kvdepot")
 
@@ -125,55 +124,6 @@ class LoadBook:
     def __len__(self) -> int:
         with self._lock:
             return sum(len(v) for v in self._loads.values())
-
-
-class LayerIssuer:
-    """One thread that runs jobs in order (started at the first job, stopped by ``close``)."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._pending = 0  # jobs submitted and not finished
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._thread: threading.Thread | None = None
-
-    @property
-    def idle(self) -> bool:
-        """No job queued or running (a caller that submits under its own lock can trust it)."""
-        with self._lock:
-            return self._pending == 0
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-                self._thread.start()
-        self._jobs.put(job)
-
-    def drain(self, timeout_s: float | None = None) -> bool:
-        with self._idle:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout_s)
-
-    def close(self) -> None:
-        """Run what is queued, then stop the thread."""
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            self._jobs.put(None)
-            thread.join()
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                job()
-            except Exception:  # the issuer's boundary: a job reports its own failure
-                logger.exception("kvdepot server: a layer job failed")
-            finally:
-                with self._idle:
-                    self._pending -= 1
-                    self._idle.notify_all()
 
 
 def record_rest(load: LayerWaits, progress: LayerProgress, record: Callable[[int], None], stream: object) -> None:

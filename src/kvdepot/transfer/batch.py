@@ -127,7 +127,7 @@ class BatchBlockMover(OneChunk):
         """A load in layer order, one layer per step: each ``next()`` enqueues layer ``l`` of every
         block on the *current* stream and yields ``l`` — so that the forward over layer 0 can
         start while later layers are still copied, and the caller can enqueue later layers when
-        it likes (``inflight.LayeredLoad``: a few layers ahead of the forward).
+        it likes (``layered.LayeredLoad``: a helper thread, or the forward's waits).
 
         Only for a cross-layer pool (one view whose rows are ``num_layers`` equal parts, layer
         ``l`` the ``l``-th: TensorRT-LLM's ``[block, layer, k|v, …]``); the host rows hold the

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from kvdepot.transfer.base import Move
-from kvdepot.transfer.layered import LAYERS_AHEAD, LayeredLoad
+from kvdepot.transfer.layered import LAYERS_AHEAD, LayeredLoad, LayerIssuer
 from kvdepot.transfer.streams import CUDA, StreamKit
 
 logger = logging.getLogger("kvdepot")
@@ -126,9 +126,13 @@ class InflightTransfers:
     """The engine's side streams, its store issuer and its FIFO of transfers, oldest first."""
 
     def __init__(self, lock: AbstractContextManager[Any], layers_ahead: int = LAYERS_AHEAD,
-                 kit: StreamKit = CUDA, head_bytes: int = 0) -> None:
+                 kit: StreamKit = CUDA, head_bytes: int = 0, layer_thread: bool = True) -> None:
         self._lock = lock  # the owner's: guards the FIFO and what the callbacks touch
         self.layers_ahead = layers_ahead  # config load_layers_ahead
+        # Layered loads' later layers enqueued by a helper thread, not by the forward's waits
+        # (``layered.py``); False: by the waits alone (the A/B of issue 19's twelfth pass).
+        self.layer_thread = layer_thread
+        self._layer_issuer: LayerIssuer | None = None
         self.kit = kit  # streams and events: CUDA's, or a CPU bench's or test's (``streams.py``)
         self.head_bytes = head_bytes  # config store_head_mib: what a caller may enqueue of a store
         self.streams: tuple[Any, ...] | None = None  # None: CPU pool, copies run inline
@@ -270,16 +274,18 @@ class InflightTransfers:
         """A CUDA load of ``num_layers`` layers, ordered after ``stream``'s work so far, whose
         layers are enqueued as the answer is waited on (``layers``: each ``next()`` enqueues the
         next one on the current stream); the first ``layers_ahead`` are enqueued now, so that a
-        failure to enqueue at all reaches the caller. ``stream`` is not made to wait.
-        ``on_layer``: see ``LayeredLoad`` (a server's signal of each layer, on the copy stream)."""
+        failure to enqueue at all reaches the caller, and the rest by the layer thread (with
+        ``layer_thread``) or by the waits. ``stream`` is not made to wait.
+        ``on_layer``: see ``LayeredLoad`` (a server's signal of each layer, on the copy stream);
+        such a load is left to its caller's thread (a server's ``LayerIssuer``) and the waits."""
         assert self.streams is not None
-        caller = stream if stream is not None else torch.cuda.current_stream(self.streams[0].device)
+        caller = stream if stream is not None else self.kit.current(self.streams[0].device)
         side = self.side_stream(False, caller)
         with self._lock:
             transfer = _Transfer(next(self._tokens), on_done, on_done)
             self.inflight.append(transfer)
         side.wait_stream(caller)
-        events = [torch.cuda.Event() for _ in range(num_layers)]
+        events = [self.kit.event() for _ in range(num_layers)]
 
         def issued(error: BaseException | None) -> None:
             if error is None:
@@ -298,6 +304,13 @@ class InflightTransfers:
         with self._lock:
             self._layered.add(load)
         load.issue_through(self.layers_ahead)
+        if self.layer_thread and on_layer is None and not load.fully_issued:
+            with self._lock:
+                if self._layer_issuer is None:
+                    self._layer_issuer = LayerIssuer("kvdepot-layers")
+                issuer = self._layer_issuer
+            load.helped = True
+            issuer.submit(load.issue_rest)
         return load
 
     def _finish_layered(self) -> None:
@@ -354,9 +367,12 @@ class InflightTransfers:
         self.wait_all()
         with self._lock:
             issuer, self._issuer = self._issuer, None
+            layers, self._layer_issuer = self._layer_issuer, None
         if issuer is not None:
             self._wake.put(None)
             issuer.join()
+        if layers is not None:
+            layers.close()
 
     # ---- the store issuer ----------------------------------------------------------------------
     def _start_issuer(self) -> None:
