@@ -69,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="in-process,whole,mp" if cuda else "in-process",
                         help="connector modes for the hit rows: " + ", ".join(MODES))
     parser.add_argument("--layers-ahead", default=None, metavar="N[,N...]",
-                        help="layered loads: enqueue each layer's copies N layers ahead of the forward (default: the "
-                             "engine's); several values are measured alternately in one process, --rounds times")
+                        help="layered loads: config load_layers_ahead, layers enqueued at once and by a wait ahead of "
+                             "the layer thread (default: the engine's); several values are measured alternately in one process, --rounds times")
     add_first_arguments(parser)
     parser.add_argument("--rounds", type=int, default=1, help="with several --layers-ahead values: rounds over them")
     parser.add_argument("--repeats", type=positive, default=1,
