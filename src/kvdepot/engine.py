@@ -124,7 +124,7 @@ class CacheEngine(PoolsOwner):
         self._promotions = Promotions(self.host, self.lower, self._lock, self.config.lease_timeout_s,
                                       room=self._pinner.wait_for_room)
         self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead, streams,
-                                            int(self.config.store_head_mib * (1 << 20)))
+                                            int(self.config.store_head_mib * (1 << 20)), self.config.load_layer_thread)
         self._pool_loads: list[PoolLoads] = []  # loads into pools other than the attached one
         self._views: PoolViews = PoolViews([])
         self._tokens = itertools.count(1)  # names the pins of loads and write-behind reads

@@ -312,7 +312,8 @@ class PoolsOwner(LoadPath):
         (``engine_loads.PoolLoads``); ``drop_loads`` before the pool goes away."""
         layout = PoolLayout.from_pool(pool, self.layout.tokens_per_block, self.layout.chunk_size)
         views = PoolViews([pool.view(torch.uint8).reshape(layout.num_blocks, -1)])  # its copy plan, made once
-        transfers = InflightTransfers(self._lock, self.config.load_layers_ahead, self._transfers.kit)
+        transfers = InflightTransfers(self._lock, self.config.load_layers_ahead, self._transfers.kit,
+                                      layer_thread=self.config.load_layer_thread)
         transfers.attach(self._check_views(views, layout))
         loads = PoolLoads(self, views, layout, transfers)
         with self._lock:

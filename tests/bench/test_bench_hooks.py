@@ -19,7 +19,8 @@ def test_hooks_bench_rows(tmp_path):
     rows = run(parser.parse_args(["--layers", "6", "--issue-us", "300", "--gil-us", "50", "--forward-us", "50",
                                   "--loads", "2", "--rounds", "1", "--json", str(tmp_path / "hooks.json")]))
     by_mode = {row["mode"]: row for row in rows}
-    assert list(by_mode) == ["in-process", "mp-rpc", "mp-page"]
+    assert list(by_mode) == ["in-process", "in-process-hooks", "mp-rpc", "mp-page"]
+    assert by_mode["in-process-hooks"]["LAYERS/load"] == 0
     assert by_mode["in-process"]["LAYERS/load"] == 0 and by_mode["in-process"]["forward/in-process"] == 1.0
     assert by_mode["mp-rpc"]["LAYERS/load"] >= 1  # one call ahead from the reply on, at least
     assert by_mode["mp-page"]["LAYERS/load"] == 0
@@ -30,5 +31,5 @@ def test_hooks_bench_rows(tmp_path):
 def test_unknown_mode_is_refused():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    with pytest.raises(SystemExit, match="not among in-process, mp-rpc, mp-page"):
+    with pytest.raises(SystemExit, match="not among in-process, in-process-hooks, mp-rpc, mp-page"):
         run(parser.parse_args(["--modes", "gpu"]))

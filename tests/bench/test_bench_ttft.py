@@ -88,6 +88,37 @@ def test_layers_ahead_reaches_the_engine_as_a_parameter(tmp_path):
     assert all(r["tokens loaded"] == 224 for r in rows)
 
 
+def test_layer_thread_reaches_the_engine_s_transfers_and_its_values_alternate_round_by_round(monkeypatch):
+    """``--layer-thread on,off`` sets config ``load_layer_thread`` for the engine the connector
+    makes, down to its transfers; with ``--rounds`` the two alternate, in turn reversed, so that a
+    drift of the host lands on both; a word other than on/off is refused in one line."""
+    import argparse
+
+    from kvdepot.bench import ttft
+    from kvdepot.integrations.tensorrt_llm.providers import current_engine
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--model", "tiny", "--lengths", "256", "--layer-thread", "on,off",
+                              "--rounds", "3", "--miss-prompts", "1", "--miss-length", "64", "--decode-tokens", "2"])
+    assert args.layer_thread == [True, False]
+    seen = []
+    for thread in (True, False):
+        ttft._hits(args, [256], 10.0, "in-process", layer_thread=thread,
+                   add=lambda row: seen.append((current_engine().config.load_layer_thread,
+                                                current_engine()._transfers.layer_thread)))
+    assert seen == [(True, True), (False, False)]
+
+    calls = []
+    monkeypatch.setattr(ttft, "_hits", lambda a, lengths, h2d, mode, add=None, layers_ahead=None, layer_thread=None:
+                        calls.append(layer_thread) or [add({"mode": mode, "prompt": 256})])
+    out = run(args)
+    assert calls == [True, False, False, True, True, False]
+    assert [row["layer thread"] for row in out["hits"]] == calls
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--layer-thread", "yes"])
+
+
 @pytest.mark.parametrize("cluster", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["server", "cluster"])
 def test_first_redis_mode_serves_a_fresh_engines_first_request(redis_server, cluster: bool):
     """The first-redis rows: a fresh engine's first request of each prompt is served from Redis

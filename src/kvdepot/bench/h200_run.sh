@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp goals19 anatomy19
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp goals19 anatomy19
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -50,6 +50,9 @@ for step in $steps; do
              } 2>&1 | tee "$OUT/anatomy.txt" ;;
     layers) KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes in-process --lengths ${TTFT_LENGTHS:-4096,32768} \
               --layers-ahead ${LAYERS_AHEAD:-4,64} --rounds 2 --json "$OUT/layers.json" 2>&1 | tee "$OUT/layers.txt" ;;
+    layerthread) # in-process loads by layer: the layer thread on and off, alternating in one process (~4 min at 2 rounds)
+      KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes in-process --lengths ${TTFT_LENGTHS:-4096,16384,32768} \
+        --layer-thread on,off --rounds ${LT_ROUNDS:-2} --repeats ${TTFT_REPEATS:-3} --json "$OUT/layerthread.json" 2>&1 | tee "$OUT/layerthread.txt" ;;
     bookkeeping) python3 -m kvdepot.cli bench bookkeeping 2>&1 | tee "$OUT/bookkeeping.txt" ;;
     tp) KVD_BENCH_SERVER_LOG=$OUT/tp_server.log python3 -m kvdepot.cli bench tp --device cuda --reps 9 2>&1 | tee "$OUT/tp.txt"
         tail -20 "$OUT/tp_server.log" ;;

@@ -2,12 +2,15 @@
 in-process against server mode (LAYERS round trips, or the progress page) — on a CPU.
 
 A forward of ``--layers`` layers calls its hook for layer ``l`` (TensorRT-LLM's
-``wait_for_layer_load``), then issues that layer (``--forward-us`` of GIL-held Python, the
-kernel launches). The load's copies are simulated: per layer, a "driver call" of ``--issue-us``
+``wait_for_layer_load``), then issues that layer: ``--forward-us`` of GIL-held Python in
+``--launches`` slices, the GIL released between them as torch's op calls release it (a thread
+waiting for the GIL gets it there, not only at the interpreter's 5 ms switch interval). The load's copies are simulated: per layer, a "driver call" of ``--issue-us``
 of which ``--gil-us`` hold the GIL (address lists) and the rest sleeps (``cuMemcpyBatchAsync``):
 
     in-process   ``transfer.layered.LayeredLoad`` in this process: ``--ahead`` layers at the load,
-                 then each hook enqueues one more (its own driver call, on the forward's thread)
+                 the rest on a ``LayerIssuer`` thread beside the forward (the engine's default)
+    in-process-hooks   the same, each hook enqueueing one more itself (its own driver call, on the
+                 forward's thread: config ``load_layer_thread: false``)
     mp-rpc       a server subprocess (``hooks_server``: the real loop, LAYERS handler, issuer and
                  ``start_early``) answers the load after layer 0 and records the rest on its
                  issuer; each hook waits as ``RemoteProgress`` does with LAYERS (config
@@ -48,9 +51,10 @@ from kvdepot.server import protocol as p
 from kvdepot.server.client import DepotClient
 from kvdepot.server.layer_follow import FollowStats, RemoteProgress, Watch
 from kvdepot.server.progress_page import PAGE_SUPPORTED, ProgressPage
-from kvdepot.transfer.layered import LayeredLoad
+from kvdepot.transfer.layered import LayeredLoad, LayerIssuer
 
-MODES = ("in-process", "mp-rpc", "mp-page")
+MODES = ("in-process", "in-process-hooks", "mp-rpc", "mp-page")
+LOCAL = ("in-process", "in-process-hooks")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host time of one layer's driver call (default 500: ~1024 blocks on the H200 host, run Q)")
     parser.add_argument("--gil-us", type=float, default=100.0, help="of which the GIL is held (default 100)")
     parser.add_argument("--forward-us", default="100,300,1000", help="GIL-held host time the forward spends per layer, comma-separated")
+    parser.add_argument("--launches", type=int, default=8,
+                        help="slices of a layer's forward, the GIL released between them as an op call does "
+                             "(default 8; 0: held throughout)")
     parser.add_argument("--ahead", type=int, default=4, help="layers enqueued ahead (config load_layers_ahead)")
     parser.add_argument("--loads", type=int, default=10, help="loads per mode and round (medians over all rounds)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over the modes, alternating")
@@ -79,8 +86,9 @@ class _Event:
         pass
 
 
-def _in_process(args: argparse.Namespace, forward_us: float) -> dict[str, Any]:
-    """One load's figures with the copies issued in this process, from the forward's hooks."""
+def _in_process(args: argparse.Namespace, forward_us: float, helper: LayerIssuer | None) -> dict[str, Any]:
+    """One load's figures with the copies issued in this process: by ``helper``'s thread, or
+    (None) from the forward's hooks."""
     stamps = np.zeros(args.layers, dtype=np.int64)
 
     def issue() -> Iterator[int]:
@@ -93,15 +101,28 @@ def _in_process(args: argparse.Namespace, forward_us: float) -> dict[str, Any]:
     asked = time.perf_counter_ns()
     load = LayeredLoad(issue(), [_Event() for _ in range(args.layers)], None, lambda exc: None, args.ahead)
     load.issue_through(args.ahead)  # what start_load_kv enqueues
+    if helper is not None:  # as InflightTransfers.start_layered hands it over
+        load.helped = True
+        helper.submit(load.issue_rest)
     stream, hooks = _Stream(), 0
     started = time.perf_counter_ns()
     for layer in range(args.layers):
         before = time.perf_counter_ns()
         load.wait_layer(layer, stream)
         hooks += time.perf_counter_ns() - before
-        spin(forward_us)
+        _forward(forward_us, args.launches)
+    if helper is not None:
+        helper.drain()
     return {"start": started - asked, "hooks": hooks, "forward": time.perf_counter_ns() - started, "asks": 0, "lags": [],
             "pace": _pace(stamps)}
+
+
+def _forward(us: float, launches: int) -> None:
+    """One layer's host work: ``us`` of GIL-held Python, released between ``launches`` slices."""
+    for _ in range(max(1, launches)):
+        spin(us / max(1, launches))
+        if launches:
+            time.sleep(0)  # releases the GIL, as a torch op call does around its launch
 
 
 def _pace(stamps: np.ndarray) -> float:
@@ -155,7 +176,7 @@ def _remote(args: argparse.Namespace, client: DepotClient, page: ProgressPage | 
         heard, recorded = time.monotonic_ns(), int(stamps[layer])  # this load's record: it precedes the news
         if recorded > since:  # the server recorded the layer while the hook waited for it
             lags.append(heard - recorded)
-        spin(forward_us)
+        _forward(forward_us, args.launches)
     forward = time.perf_counter_ns() - started
     return {"start": started - asked, "hooks": hooks, "forward": forward, "asks": stats.asks, "lags": lags,
             "pace": _pace(stamps)}
@@ -198,7 +219,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     loads: dict[tuple[str, float], list[dict[str, Any]]] = {(m, f): [] for m in modes for f in speeds}
     try:
         with _server(args, workdir) as (url, stamps):
-            pages = {m: ProgressPage.create() if m == "mp-page" else None for m in modes if m != "in-process"}
+            pages = {m: ProgressPage.create() if m == "mp-page" else None for m in modes if m not in LOCAL}
+            helper = LayerIssuer("kvdepot-layers")
             clients = {m: _connect(url, args.layers, page) for m, page in pages.items()}
             try:
                 for _ in range(args.rounds):  # the modes alternate: a busy host slows each of them alike
@@ -207,11 +229,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             with report.step(f"{mode} {forward_us:g}"):
                                 client = clients.get(mode)
                                 for n in range(args.loads + 1):  # one warm-up load
-                                    one = (_in_process(args, forward_us) if client is None else
-                                           _remote(args, client, pages[mode], stamps, forward_us))
+                                    one = (_in_process(args, forward_us, helper if mode == "in-process" else None)
+                                           if client is None else _remote(args, client, pages[mode], stamps, forward_us))
                                     if n:
                                         loads[mode, forward_us].append(one)
             finally:
+                helper.close()
                 for client in clients.values():
                     client.close()
                 for page in pages.values():

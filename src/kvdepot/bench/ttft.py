@@ -24,7 +24,10 @@ host paced (the device passed their marks as soon as the host enqueued them).
 ``--repeats N`` times N hits and device hits per length, each after its own filler: a row shows
 the try whose hit is the median, with the hits' range (single TTFTs moved by 5-25% between runs
 on GPU hosts). With both ``in-process`` and ``mp``, a last table gives MP over in-process per
-length, raw and with each hit over its own engine's device hit.
+length, raw and with each hit over its own engine's device hit. ``--layers-ahead`` and
+``--layer-thread`` (config ``load_layers_ahead``, ``load_layer_thread``) take several values,
+measured in turn in one process, ``--rounds`` times, every other round in reverse order: an A/B
+of the in-process load by layer in which the host's phase lands on every variant.
 
 And the target the issue sets, from figures measured in this run:
 ``bound = 1.2 x KV bytes / memcpy GB/s + device-hit TTFT``. A 0%-reuse run (distinct prompts)
@@ -71,8 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers-ahead", default=None, metavar="N[,N...]",
                         help="layered loads: config load_layers_ahead, layers enqueued at once and by a wait ahead of "
                              "the layer thread (default: the engine's); several values are measured alternately in one process, --rounds times")
+    parser.add_argument("--layer-thread", default=None, metavar="on|off[,...]", type=_switches,
+                        help="layered loads in-process: config load_layer_thread (default: the engine's); on,off "
+                             "measures both alternately in one process, --rounds times")
     add_first_arguments(parser)
-    parser.add_argument("--rounds", type=int, default=1, help="with several --layers-ahead values: rounds over them")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="with several --layers-ahead or --layer-thread values: rounds over them")
     parser.add_argument("--repeats", type=positive, default=1,
                         help="hits (and device hits) per prompt length, each after its own filler; a row shows the "
                              "one whose hit is the median, and the hits' range")
@@ -135,13 +142,16 @@ def _teardown() -> None:
 
 
 def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None = None,
-          add: Callable[[dict], object] = lambda row: row, layers_ahead: int | None = None) -> list[dict]:
+          add: Callable[[dict], object] = lambda row: row, layers_ahead: int | None = None,
+          layer_thread: bool | None = None) -> list[dict]:
     """The hit rows of one mode, each passed to ``add`` as soon as it is measured; ``whole`` is
     in-process with loads by layer off, ``layers_ahead`` sets config ``load_layers_ahead`` (the
     engine reads its config from the environment when the connector creates it)."""
     env = {"KVDEPOT_LOAD_BY_LAYER": "off"} if mode == "whole" else {}
     if layers_ahead is not None:
         env["KVDEPOT_LOAD_LAYERS_AHEAD"] = str(layers_ahead)
+    if layer_thread is not None:
+        env["KVDEPOT_LOAD_LAYER_THREAD"] = "true" if layer_thread else "false"
     with mock.patch.dict(os.environ, env):
         return _hit_rows(args, lengths, h2d, mode, server_url, add)
 
@@ -304,6 +314,14 @@ def _misses(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def _switches(value: str) -> list[bool]:
+    """``on,off`` -> [True, False] (--layer-thread)."""
+    words = [w.strip() for w in value.split(",") if w.strip()]
+    if not words or any(w not in ("on", "off") for w in words):
+        raise argparse.ArgumentTypeError(f"{value!r}: give on, off or both, comma-separated")
+    return [w == "on" for w in words]
+
+
 def _preset_names() -> list[str]:
     from kvdepot.runtime.weights import all_preset_names
 
@@ -369,24 +387,28 @@ def run(args: argparse.Namespace) -> dict:
     if unknown:
         raise SystemExit(f"--modes: unknown {sorted(unknown)}; allowed: {', '.join(MODES)}")
     aheads = [int(x) for x in args.layers_ahead.split(",")] if getattr(args, "layers_ahead", None) else [None]
-    rounds = max(1, getattr(args, "rounds", 1)) if len(aheads) > 1 else 1
+    variants = [(ahead, thread) for ahead in aheads for thread in getattr(args, "layer_thread", None) or [None]]
+    rounds = max(1, getattr(args, "rounds", 1)) if len(variants) > 1 else 1
     local = [m for m in ("in-process", "whole") if m in modes]
-    steps = 1 + rounds * len(aheads) * len(local) + ("mp" in modes) + ("first-redis" in modes) + 1
+    steps = 1 + rounds * len(variants) * len(local) + ("mp" in modes) + ("first-redis" in modes) + 1
     report = Report(args, steps=steps, device=device, name="bench ttft")
     with report.step("memcpy ceiling"):
         h2d, d2h, _both = memcpy_ceiling(256 << 20, device, 5)
     title = f"kvdepot bench ttft — {args.model} on {device_name(device)}, memcpy H2D {h2d:.1f} GB/s D2H {d2h:.1f} GB/s"
     report.table(title, mode=10)
 
-    def add(ahead: int | None) -> Callable[[dict], object]:
-        return lambda row: report.add(row if ahead is None else {"layers ahead": ahead, **row})
+    def add(ahead: int | None, thread: bool | None = None) -> Callable[[dict], object]:
+        first = ({} if ahead is None else {"layers ahead": ahead}) | ({} if thread is None else {"layer thread": thread})
+        return lambda row: report.add({**first, **row})
 
     hits = []
-    for _ in range(rounds):  # several --layers-ahead values alternate, so a drift hits them all alike
-        for ahead in aheads:
+    for r in range(rounds):  # several variants alternate (in turn reversed), so a drift hits them all alike
+        for ahead, thread in variants if r % 2 == 0 else variants[::-1]:
             for mode in local:
-                with report.step(f"hits: {mode}" + (f", {ahead} layers ahead" if ahead is not None else "")):
-                    hits += _hits(args, lengths, h2d, mode, add=add(ahead), layers_ahead=ahead)
+                named = (f", {ahead} layers ahead" if ahead is not None else "") + \
+                        (f", layer thread {'on' if thread else 'off'}" if thread is not None else "")
+                with report.step(f"hits: {mode}{named}"):
+                    hits += _hits(args, lengths, h2d, mode, add=add(ahead, thread), layers_ahead=ahead, layer_thread=thread)
     if "mp" in modes:
         from kvdepot.bench.server_proc import running_server
 

@@ -130,7 +130,7 @@ class InflightTransfers:
         self._lock = lock  # the owner's: guards the FIFO and what the callbacks touch
         self.layers_ahead = layers_ahead  # config load_layers_ahead
         # Layered loads' later layers enqueued by a helper thread, not by the forward's waits
-        # (``layered.py``); False: by the waits alone (the A/B of issue 19's twelfth pass).
+        # (``layered.py``); False: by the waits alone (config ``load_layer_thread``).
         self.layer_thread = layer_thread
         self._layer_issuer: LayerIssuer | None = None
         self.kit = kit  # streams and events: CUDA's, or a CPU bench's or test's (``streams.py``)
