@@ -101,6 +101,33 @@ def test_disk_reads_by_setting_pair_every_setting_with_raw_reads(tmp_path: Path,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_disk_reads_by_setting_write_each_chunk_in_a_shuffled_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The raw file is not always the last written, nor the first setting's tier the first: on a
+    GPU host the order of the writes showed in the reads (issue 19, twelfth pass)."""
+    from kvdepot.bench import disk_reads
+    from kvdepot.storage.disk import DiskTier
+
+    writes: list[str] = []
+    raw_io, put = disk_reads._raw_io, DiskTier.put
+
+    def raw(path, buf, direct, write, fsync=False):
+        if write:
+            writes.append("raw")
+        return raw_io(path, buf, direct, write, fsync)
+
+    def tier_put(self, key, payload):
+        writes.append(self.base.name)
+        return put(self, key, payload)
+
+    monkeypatch.setattr(disk_reads, "_raw_io", raw)
+    monkeypatch.setattr(DiskTier, "put", tier_put)
+    disk_reads.read_settings_rows(bench_args("--chunk-mib", "0.1", "--reps", "2", "--chunks", "4"), tmp_path,
+                                  os.urandom(100 << 10), [(1 << 20, 2), (2 << 20, 4)], disk_reads.Report(bench_args(), steps=3, name="t"))
+    rounds = [writes[i:i + 3] for i in range(0, len(writes), 3)]
+    assert len(rounds) == 12 and all(sorted(r) == ["raw", "reads-1-2", "reads-2-4"] for r in rounds)
+    assert {r.index("raw") for r in rounds} == {0, 1, 2} and {r[0] for r in rounds} == {"raw", "reads-1-2", "reads-2-4"}
+
+
 @pytest.mark.parametrize(("text", "says"), [("2", "'2' is not MiB:depth"), ("2:0", "at least 1"), (",", "at least one")])
 def test_a_bad_read_setting_names_the_option(text: str, says: str) -> None:
     from kvdepot.bench.disk_reads import parse_settings

@@ -6,8 +6,11 @@ the eleventh pass of issue 19), one setting's ``get_into`` ratio moved by 15 poi
 on the same GPU host, more than the settings differ. The dev VM's virtual disk also runs in phases
 (1.3-2.8 GB/s). In one phase a deeper queue read 0.91-0.95 of raw reads where 2 MiB x 4 read
 0.68-0.77; in the others every setting read the same. Here every chunk is written once per
-setting's tier and once as a raw file, off the clock. Then the raw read and each setting's
-``get_into`` run in a shuffled order, back to back, so that each phase lands on all of them. A row
+setting's tier and once as a raw file, off the clock, in a shuffled order: on a GPU host (issue
+19, twelfth pass) the raw file, always written last, and the setting written first read as if the
+order mattered (of the 2 MiB settings the one listed first read lowest in both runs). Then the raw
+read and each setting's ``get_into`` run in a shuffled order, back to back, so that each phase
+lands on all of them. A row
 gives the median of the per-chunk ratios (raw seconds over the tier's) and the ratio of the median
 times. ``after reads ms`` is the median time from the end of a ``get_into``'s last read to its return:
 the checksum of what landed last, and the joins. On GPU hosts xxh3 ran at ~7.5 GB/s, against
@@ -78,10 +81,13 @@ def read_settings_rows(args: argparse.Namespace, root: Path, payload: bytes, set
             with report.step(f"disk reads by setting: {'warm-up' if rep == 0 else f'repetition {rep}'}"):
                 for i in range(args.chunks):
                     key, path = _key(), root / "reads-raw" / f"{rep}.{i}"
-                    for tier in tiers.values():
-                        _check(tier.put(key, memoryview(src)[:size]), "disk put refused")
-                    _raw_io(path, memoryview(src), direct, True, args.fsync)
                     order: list[tuple[int, int] | None] = [None, *tiers]
+                    rng.shuffle(order)  # written in a shuffled order too: the last written may read faster
+                    for setting in order:
+                        if setting is None:
+                            _raw_io(path, memoryview(src), direct, True, args.fsync)
+                        else:
+                            _check(tiers[setting].put(key, memoryview(src)[:size]), "disk put refused")
                     rng.shuffle(order)
                     took: dict[tuple[int, int] | None, float] = {}
                     for setting in order:
