@@ -42,6 +42,35 @@ def test_ttft_bench_in_process_and_through_a_server(tmp_path):
     assert (tmp_path / "ttft.json").exists()
 
 
+def test_rounds_alternate_in_process_and_mp_with_one_server_and_new_prompts_each_round(monkeypatch):
+    """``--rounds 3`` over in-process and mp: the modes in turn, every other round reversed, one
+    server for all of them (each round's prompts new to it: a prompt it still held would load
+    where the bench times a miss, and the bench refuses such a row), and the MP comparison over
+    the rounds' medians."""
+    import argparse
+
+    from kvdepot.bench import server_proc
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--device", "cpu", "--model", "tiny", "--lengths", "512", "--miss-prompts", "1",
+                              "--miss-length", "64", "--decode-tokens", "2", "--modes", "in-process,mp", "--rounds", "3",
+                              "--suffix", "256"])  # a partial prompt of whole chunks: held from a past round, it would load
+    started = []
+    real = server_proc.running_server
+    monkeypatch.setattr(server_proc, "running_server", lambda *a, **k: started.append(a) or real(*a, **k))
+    result = run(args)
+    hits = result["hits"]
+    assert [r["mode"] for r in hits] == ["in-process", "mp", "mp", "in-process", "in-process", "mp"]
+    assert len(started) == 1
+    assert all(r["tokens loaded"] == 480 and r["hit==device bitwise"] for r in hits)
+    (versus,) = result["versus"]
+    assert versus["rounds"] == 3
+    mp = sorted(r["kvdepot hit ms"] for r in hits if r["mode"] == "mp")
+    local = sorted(r["kvdepot hit ms"] for r in hits if r["mode"] == "in-process")
+    assert versus["mp/in-process"] == pytest.approx(mp[1] / local[1])
+
+
 def test_repeats_must_be_positive(capsys):
     import argparse
 
@@ -110,7 +139,7 @@ def test_layer_thread_reaches_the_engine_s_transfers_and_its_values_alternate_ro
     assert seen == [(True, True), (False, False)]
 
     calls = []
-    monkeypatch.setattr(ttft, "_hits", lambda a, lengths, h2d, mode, add=None, layers_ahead=None, layer_thread=None:
+    monkeypatch.setattr(ttft, "_hits", lambda a, lengths, h2d, mode, add=None, layer_thread=None, **more:
                         calls.append(layer_thread) or [add({"mode": mode, "prompt": 256})])
     out = run(args)
     assert calls == [True, False, False, True, True, False]

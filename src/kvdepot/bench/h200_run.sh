@@ -67,12 +67,12 @@ for step in $steps; do
       for shape in "--layers 16 --head-dim 64 --tokens-per-block 8" "--tokens-per-block 8"; do
         python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 --anatomy $shape 2>&1 | grep -E "^batch"
       done 2>&1 | tee "$OUT/anatomy19.txt" ;;
-    goals19) # every figure issue 19's closing note asks for, in one call (~6 min): transfer rows, TTFT, first hit, disk
+    goals19) # every figure issue 19's closing note asks for, in one call (~8 min): transfer rows, TTFT, first hit, disk
       for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "--layers 16 --head-dim 64 --tokens-per-block 8"; do
         python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 $shape 2>&1 | grep -E "^batch"
       done 2>&1 | tee "$OUT/goals19_transfer.txt"
       KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes in-process,mp --lengths 4096,16384,32768 \
-        --repeats ${TTFT_REPEATS:-3} > "$OUT/goals19_ttft.txt" 2>&1
+        --repeats ${TTFT_REPEATS:-3} --rounds ${TTFT_ROUNDS:-2} > "$OUT/goals19_ttft.txt" 2>&1
       grep -E "^(mode|in-process|mp) " "$OUT/goals19_ttft.txt"; grep -A5 "^server mode (mp) over" "$OUT/goals19_ttft.txt"
       python3 -m kvdepot.cli bench firsthit --length 4096 --hits 4 --warmup on --processes ${FIRST_PROCESSES:-3} 2>&1 \
         | tee "$OUT/goals19_firsthit.txt" | tail -7

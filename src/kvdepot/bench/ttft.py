@@ -24,10 +24,12 @@ host paced (the device passed their marks as soon as the host enqueued them).
 ``--repeats N`` times N hits and device hits per length, each after its own filler: a row shows
 the try whose hit is the median, with the hits' range (single TTFTs moved by 5-25% between runs
 on GPU hosts). With both ``in-process`` and ``mp``, a last table gives MP over in-process per
-length, raw and with each hit over its own engine's device hit. ``--layers-ahead`` and
-``--layer-thread`` (config ``load_layers_ahead``, ``load_layer_thread``) take several values,
-measured in turn in one process, ``--rounds`` times, every other round in reverse order: an A/B
-of the in-process load by layer in which the host's phase lands on every variant.
+length (medians over the rounds), raw and with each hit over its own engine's device hit.
+``--layers-ahead`` and ``--layer-thread`` (config ``load_layers_ahead``, ``load_layer_thread``)
+take several values. ``--rounds N`` measures every mode and variant in turn in one process, N
+times, every other round in reverse order, so that the host's phase lands on all of them (a
+single MP/in-process figure at 4K moved from 0.906 to 1.605 between runs). The MP server runs
+from the first round to the last, and each round's prompts are new to it.
 
 And the target the issue sets, from figures measured in this run:
 ``bound = 1.2 x KV bytes / memcpy GB/s + device-hit TTFT``. A 0%-reuse run (distinct prompts)
@@ -39,12 +41,13 @@ at most: its copies run off the forward stream).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -79,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "measures both alternately in one process, --rounds times")
     add_first_arguments(parser)
     parser.add_argument("--rounds", type=int, default=1,
-                        help="with several --layers-ahead or --layer-thread values: rounds over them")
+                        help="rounds over the hit modes and variants (--layers-ahead, --layer-thread values), "
+                             "every other round reversed, the MP server up throughout")
     parser.add_argument("--repeats", type=positive, default=1,
                         help="hits (and device hits) per prompt length, each after its own filler; a row shows the "
                              "one whose hit is the median, and the hits' range")
@@ -143,7 +147,7 @@ def _teardown() -> None:
 
 def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None = None,
           add: Callable[[dict], object] = lambda row: row, layers_ahead: int | None = None,
-          layer_thread: bool | None = None) -> list[dict]:
+          layer_thread: bool | None = None, salt: int = 0) -> list[dict]:
     """The hit rows of one mode, each passed to ``add`` as soon as it is measured; ``whole`` is
     in-process with loads by layer off, ``layers_ahead`` sets config ``load_layers_ahead`` (the
     engine reads its config from the environment when the connector creates it)."""
@@ -153,11 +157,14 @@ def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, s
     if layer_thread is not None:
         env["KVDEPOT_LOAD_LAYER_THREAD"] = "true" if layer_thread else "false"
     with mock.patch.dict(os.environ, env):
-        return _hit_rows(args, lengths, h2d, mode, server_url, add)
+        return _hit_rows(args, lengths, h2d, mode, server_url, add, salt)
 
 
 def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, server_url: str | None,
-              add: Callable[[dict], object]) -> list[dict]:
+              add: Callable[[dict], object], salt: int = 0) -> list[dict]:
+    """One engine's hit rows. ``salt`` (a round) makes its prompts new to a server that served an
+    earlier round: a prompt it still held would load where a miss is timed."""
+    s = 1_000_000 * salt  # every prompt seed below is under a million
     _teardown()
     pool = max(lengths) + args.suffix + 64
     eng = _engine(args, pool, connected=True, server_url=server_url)
@@ -166,19 +173,19 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
     kv_per_token = eng.pool[0].numel() * eng.pool.element_size() / eng.tokens_per_block
     # Warm-up: kernels, allocator, streams, and one hit — a process's first load pays one-time
     # costs (~60 ms measured on the H200) that a serving engine pays once, not per request.
-    warm = _prompt(min(512, pool - 64), 7, vocab)
+    warm = _prompt(min(512, pool - 64), s + 7, vocab)
     eng.generate([warm], 1)
-    eng.generate([_prompt(pool - 1, 8, vocab)], 1)
+    eng.generate([_prompt(pool - 1, s + 8, vocab)], 1)
     eng.generate([warm], 1)
     # ... and a forward over a suffix of the partial rows' size after a hit: in run Q the first
     # such forward of a process took ~10 ms longer at 4K, whether its hit loaded whole or by layer.
-    eng.generate([_prompt(pool - 1, 9, vocab)], 1)
-    eng.generate([warm + _prompt(args.suffix, 10, vocab)], 1)
+    eng.generate([_prompt(pool - 1, s + 9, vocab)], 1)
+    eng.generate([warm + _prompt(args.suffix, s + 10, vocab)], 1)
     rows = []
     for i, n in enumerate(lengths):
-        a = _prompt(n, 100 + i, vocab)
+        a = _prompt(n, s + 100 + i, vocab)
         miss = eng.generate([a], 1)[0]
-        tries = [_hit_and_device(eng, a, pool, vocab, 200 + i + 1000 * r, server_url) for r in range(args.repeats)]
+        tries = [_hit_and_device(eng, a, pool, vocab, s + 200 + i + 1000 * r, server_url) for r in range(args.repeats)]
         # The row shows the try whose hit is the median (the lower one of an even count): its split
         # and pace are that try's own. A single TTFT moved by 5-20% with the host's phase (issue 19).
         tries.sort(key=lambda t: t["hit"].ttft_s)
@@ -187,9 +194,9 @@ def _hit_rows(args: argparse.Namespace, lengths: list[int], h2d: float, mode: st
         if len({t["hit"].num_connector_matched_tokens for t in tries}) > 1:
             raise RuntimeError(f"hits of {n} loaded different lengths: "
                                f"{[t['hit'].num_connector_matched_tokens for t in tries]}")
-        eng.generate([_prompt(pool - 1, 250 + i, vocab)], 1)
-        partial = eng.generate([a + _prompt(args.suffix, 400 + i, vocab)], 1)[0]
-        floor = eng.generate([a + _prompt(args.suffix, 500 + i, vocab)], 1)[0]  # A's blocks reused in the pool
+        eng.generate([_prompt(pool - 1, s + 250 + i, vocab)], 1)
+        partial = eng.generate([a + _prompt(args.suffix, s + 400 + i, vocab)], 1)[0]
+        floor = eng.generate([a + _prompt(args.suffix, s + 500 + i, vocab)], 1)[0]  # A's blocks reused in the pool
         if partial.num_connector_matched_tokens != n or floor.num_device_reused_tokens != n:
             raise RuntimeError(f"partial hit of {n}: loaded {partial.num_connector_matched_tokens}, "
                                f"then reused {floor.num_device_reused_tokens} on the device")
@@ -388,9 +395,11 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(f"--modes: unknown {sorted(unknown)}; allowed: {', '.join(MODES)}")
     aheads = [int(x) for x in args.layers_ahead.split(",")] if getattr(args, "layers_ahead", None) else [None]
     variants = [(ahead, thread) for ahead in aheads for thread in getattr(args, "layer_thread", None) or [None]]
-    rounds = max(1, getattr(args, "rounds", 1)) if len(variants) > 1 else 1
     local = [m for m in ("in-process", "whole") if m in modes]
-    steps = 1 + rounds * len(variants) * len(local) + ("mp" in modes) + ("first-redis" in modes) + 1
+    plan = [(ahead, thread, mode) for ahead, thread in variants for mode in local] + \
+           ([(None, None, "mp")] if "mp" in modes else [])
+    rounds = max(1, getattr(args, "rounds", 1)) if len(plan) > 1 else 1
+    steps = 1 + rounds * len(plan) + ("first-redis" in modes) + 1
     report = Report(args, steps=steps, device=device, name="bench ttft")
     with report.step("memcpy ceiling"):
         h2d, d2h, _both = memcpy_ceiling(256 << 20, device, 5)
@@ -402,22 +411,17 @@ def run(args: argparse.Namespace) -> dict:
         return lambda row: report.add({**first, **row})
 
     hits = []
-    for r in range(rounds):  # several variants alternate (in turn reversed), so a drift hits them all alike
-        for ahead, thread in variants if r % 2 == 0 else variants[::-1]:
-            for mode in local:
+    with _server_for(args, lengths, "mp" in modes) as url:
+        # Rounds over every mode and variant, every other one reversed, so that a drift of the host
+        # lands on all of them alike; the server (if any) runs throughout, idle in the others' turns.
+        for r in range(rounds):
+            for ahead, thread, mode in plan if r % 2 == 0 else plan[::-1]:
                 named = (f", {ahead} layers ahead" if ahead is not None else "") + \
                         (f", layer thread {'on' if thread else 'off'}" if thread is not None else "")
                 with report.step(f"hits: {mode}{named}"):
-                    hits += _hits(args, lengths, h2d, mode, add=add(ahead, thread), layers_ahead=ahead, layer_thread=thread)
-    if "mp" in modes:
-        from kvdepot.bench.server_proc import running_server
-
-        # The server holds the host tier: room for a prompt and its filler (a hit must survive the
-        # filler's store), and little more, so the arena is pinned in the background before the hits.
-        kv_gb = 2.5 * max(lengths) * _kv_bytes_per_token(args) / 1e9
-        with report.step("hits: mp"), running_server("--chunk-size", "256", "--host-capacity-gb",
-                                                     f"{max(kv_gb, 0.05):.3f}") as url:
-            hits += _hits(args, lengths, h2d, "mp", server_url=url, add=add(None))
+                    hits += _hits(args, lengths, h2d, mode, server_url=url if mode == "mp" else None,
+                                  add=add(ahead, thread), layers_ahead=ahead, layer_thread=thread, salt=r)
+        if url is not None:
             from kvdepot.server.stats_cmd import print_stats
 
             print_stats(url)  # the server's tier counters after the MP rows (drops, evictions, pins)
@@ -443,21 +447,36 @@ def run(args: argparse.Namespace) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _server_for(args: argparse.Namespace, lengths: list[int], wanted: bool) -> Iterator[str | None]:
+    """A kvdepot server for the MP rows (its URL), or None. It holds the host tier: room for a
+    prompt and its filler (a hit must survive the filler's store), and little more, so the arena
+    is pinned in the background before the hits."""
+    if not wanted:
+        yield None
+        return
+    from kvdepot.bench.server_proc import running_server
+
+    kv_gb = 2.5 * max(lengths) * _kv_bytes_per_token(args) / 1e9
+    with running_server("--chunk-size", "256", "--host-capacity-gb", f"{max(kv_gb, 0.05):.3f}") as url:
+        yield url
+
+
 def _mp_over_in_process(hits: list[dict]) -> list[dict]:
-    """Per prompt length with an in-process and an mp row (one of each): the two hits' TTFT and
-    their ratio, and each hit over its own engine's device hit (which takes the host's phase out
-    of the comparison: both hits of a row ran minutes apart, in different engines)."""
+    """Per prompt length with in-process and mp rows (one of each per round, none of them a
+    variant's): the two modes' hit TTFTs, medians over the rounds, and their ratio; and each hit
+    over its own engine's device hit (which takes the host's phase out of the comparison where
+    the two ran minutes apart, in different engines)."""
     rows = []
     for n in sorted({r["prompt"] for r in hits}):
-        local = [r for r in hits if r["prompt"] == n and r["mode"] == "in-process" and "layers ahead" not in r]
+        local = [r for r in hits if r["prompt"] == n and r["mode"] == "in-process"
+                 and "layers ahead" not in r and "layer thread" not in r]
         mp = [r for r in hits if r["prompt"] == n and r["mode"] == "mp"]
-        if len(local) != 1 or len(mp) != 1:
+        if not local or len(local) != len(mp):
             continue
-        (a,), (b,) = local, mp
-        rows.append({"prompt": n, "repeats": b["repeats"], "in-process hit ms": a["kvdepot hit ms"],
-                     "mp hit ms": b["kvdepot hit ms"], "mp/in-process": b["kvdepot hit ms"] / a["kvdepot hit ms"],
-                     "in-process hit/device": a["kvdepot hit ms"] / a["device ms median"],
-                     "mp hit/device": b["kvdepot hit ms"] / b["device ms median"],
-                     "mp/in-process, each over its device hit": (b["kvdepot hit ms"] / b["device ms median"])
-                     / (a["kvdepot hit ms"] / a["device ms median"])})
+        a_hit, b_hit = (statistics.median(r["kvdepot hit ms"] for r in rows_) for rows_ in (local, mp))
+        a_dev, b_dev = (statistics.median(r["device ms median"] for r in rows_) for rows_ in (local, mp))
+        rows.append({"prompt": n, "repeats": mp[0]["repeats"], "rounds": len(mp), "in-process hit ms": a_hit,
+                     "mp hit ms": b_hit, "mp/in-process": b_hit / a_hit, "in-process hit/device": a_hit / a_dev,
+                     "mp hit/device": b_hit / b_dev, "mp/in-process, each over its device hit": (b_hit / b_dev) / (a_hit / a_dev)})
     return rows
