@@ -28,6 +28,16 @@ def test_hooks_bench_rows(tmp_path):
     assert (tmp_path / "hooks.json").exists()
 
 
+@pytest.mark.parametrize("launches", ["-1", "two"])
+def test_a_bad_launch_count_names_the_option(launches: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--launches", launches])
+    assert f"--launches: {launches!r} is not a whole number >= 0" in capsys.readouterr().err
+    assert parser.parse_args(["--launches", "0"]).launches == 0
+
+
 def test_unknown_mode_is_refused():
     parser = argparse.ArgumentParser()
     add_arguments(parser)

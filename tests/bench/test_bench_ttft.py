@@ -71,14 +71,15 @@ def test_rounds_alternate_in_process_and_mp_with_one_server_and_new_prompts_each
     assert versus["mp/in-process"] == pytest.approx(mp[1] / local[1])
 
 
-def test_repeats_must_be_positive(capsys):
+@pytest.mark.parametrize("option", ["--repeats", "--rounds"])
+def test_repeats_and_rounds_must_be_positive(option, capsys):
     import argparse
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--repeats", "0"])
-    assert "--repeats: '0' is not a whole number >= 1" in capsys.readouterr().err
+        parser.parse_args([option, "0"])
+    assert f"{option}: '0' is not a whole number >= 1" in capsys.readouterr().err
 
 
 def test_unknown_mode_is_refused():

@@ -18,6 +18,13 @@ def positive(value: str) -> int:
     return int(value)
 
 
+def non_negative(value: str) -> int:
+    """An option's whole number >= 0 (where 0 means "none"), as ``positive`` reports a bad one."""
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number >= 0")
+    return int(value)
+
+
 def size_list(unit: str, example: str) -> Callable[[str], list[int]]:
     """An option's comma-separated sizes in ``unit``, each >= 1."""
 

@@ -62,7 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_output_arguments(parser)
 
 
-
 def _one_order(args: argparse.Namespace, order: str, warmup: str) -> list[dict[str, Any]]:
     """The rows of one order, in this process (which must not have served a hit before)."""
     from kvdepot.bench.ttft import _engine, _prompt, _ready, _teardown

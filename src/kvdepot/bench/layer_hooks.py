@@ -4,8 +4,9 @@ in-process against server mode (LAYERS round trips, or the progress page) — on
 A forward of ``--layers`` layers calls its hook for layer ``l`` (TensorRT-LLM's
 ``wait_for_layer_load``), then issues that layer: ``--forward-us`` of GIL-held Python in
 ``--launches`` slices, the GIL released between them as torch's op calls release it (a thread
-waiting for the GIL gets it there, not only at the interpreter's 5 ms switch interval). The load's copies are simulated: per layer, a "driver call" of ``--issue-us``
-of which ``--gil-us`` hold the GIL (address lists) and the rest sleeps (``cuMemcpyBatchAsync``):
+waiting for the GIL gets it there, not only at the interpreter's 5 ms switch interval). The
+load's copies are simulated: per layer, a "driver call" of ``--issue-us`` of which ``--gil-us``
+hold the GIL (address lists) and the rest sleeps (``cuMemcpyBatchAsync``):
 
     in-process   ``transfer.layered.LayeredLoad`` in this process: ``--ahead`` layers at the load,
                  the rest on a ``LayerIssuer`` thread beside the forward (the engine's default)
@@ -44,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from kvdepot.bench.common import non_negative
 from kvdepot.bench.hooks_server import spin
 from kvdepot.bench.report import Report, add_output_arguments
 from kvdepot.bench.subprocs import wait_or_kill
@@ -63,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host time of one layer's driver call (default 500: ~1024 blocks on the H200 host, run Q)")
     parser.add_argument("--gil-us", type=float, default=100.0, help="of which the GIL is held (default 100)")
     parser.add_argument("--forward-us", default="100,300,1000", help="GIL-held host time the forward spends per layer, comma-separated")
-    parser.add_argument("--launches", type=int, default=8,
+    parser.add_argument("--launches", type=non_negative, default=8,
                         help="slices of a layer's forward, the GIL released between them as an op call does "
                              "(default 8; 0: held throughout)")
     parser.add_argument("--ahead", type=int, default=4, help="layers enqueued ahead (config load_layers_ahead)")

@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="layered loads in-process: config load_layer_thread (default: the engine's); on,off "
                              "measures both alternately in one process, --rounds times")
     add_first_arguments(parser)
-    parser.add_argument("--rounds", type=int, default=1,
+    parser.add_argument("--rounds", type=positive, default=1,
                         help="rounds over the hit modes and variants (--layers-ahead, --layer-thread values), "
                              "every other round reversed, the MP server up throughout")
     parser.add_argument("--repeats", type=positive, default=1,
@@ -149,8 +149,9 @@ def _hits(args: argparse.Namespace, lengths: list[int], h2d: float, mode: str, s
           add: Callable[[dict], object] = lambda row: row, layers_ahead: int | None = None,
           layer_thread: bool | None = None, salt: int = 0) -> list[dict]:
     """The hit rows of one mode, each passed to ``add`` as soon as it is measured; ``whole`` is
-    in-process with loads by layer off, ``layers_ahead`` sets config ``load_layers_ahead`` (the
-    engine reads its config from the environment when the connector creates it)."""
+    in-process with loads by layer off, ``layers_ahead`` and ``layer_thread`` set config
+    ``load_layers_ahead`` and ``load_layer_thread`` (the engine reads its config from the
+    environment when the connector creates it), ``salt``: see ``_hit_rows``."""
     env = {"KVDEPOT_LOAD_BY_LAYER": "off"} if mode == "whole" else {}
     if layers_ahead is not None:
         env["KVDEPOT_LOAD_LAYERS_AHEAD"] = str(layers_ahead)
@@ -398,7 +399,7 @@ def run(args: argparse.Namespace) -> dict:
     local = [m for m in ("in-process", "whole") if m in modes]
     plan = [(ahead, thread, mode) for ahead, thread in variants for mode in local] + \
            ([(None, None, "mp")] if "mp" in modes else [])
-    rounds = max(1, getattr(args, "rounds", 1)) if len(plan) > 1 else 1
+    rounds = getattr(args, "rounds", 1) if len(plan) > 1 else 1
     steps = 1 + rounds * len(plan) + ("first-redis" in modes) + 1
     report = Report(args, steps=steps, device=device, name="bench ttft")
     with report.step("memcpy ceiling"):
