@@ -15,6 +15,7 @@ import dataclasses
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -379,6 +380,32 @@ def test_try_probe_declines_where_lower_tiers_would_do_io(tmp_path):
     assert rig.engine.try_probe(keys, lease="t") is None and rig.engine.stats().lookups == 0
     assert rig.engine.probe(keys).tokens == 0  # the blocking probe still answers (nothing stored)
     rig.engine.close()
+
+
+def test_write_behind_lends_the_host_slot_in_place_and_pinned_until_written(tmp_path):
+    """The disk gets the committed slot's own memory (no copy under the GIL), the chunk pinned
+    while it is written (nothing can evict or reuse the slot) and unpinned once it is."""
+    rig = Rig(tpb=4, bpc=1, disk_path=str(tmp_path), disk_capacity_gb=0.01)
+    engine = rig.engine
+    disk = engine.lower.disk
+    seen = []
+    put = disk.put
+
+    def spy(key, payload):
+        view = np.frombuffer(payload, dtype=np.uint8)
+        seen.append((view.ctypes.data, bytes(view), engine.stats().pinned_chunks))
+        return put(key, payload)
+
+    disk.put = spy
+    keys = engine.chunk_keys(rig.tokens(4))
+    engine.store(keys, rig.ids(1)).wait()
+    engine.poll()
+    engine.lower.flush()
+    slot = engine.host.slot(keys[0])
+    assert seen == [(slot.data_ptr(), bytes(slot.numpy()), 1)]
+    assert disk.get(keys[0]) == bytes(slot.numpy())
+    rig.verify_idle()
+    engine.close()
 
 
 # ---- bad input: a clear exception, and the cache exactly as it was -----------------------------------

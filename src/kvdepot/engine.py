@@ -42,7 +42,7 @@ from kvdepot.keys import ChunkHasher, ChunkKey, Namespace
 from kvdepot.layout import PoolLayout
 from kvdepot.results import EngineStats, Hit, LayeredLoad, StoreHandle
 from kvdepot.storage.host import HostTier
-from kvdepot.storage.manager import TierManager
+from kvdepot.storage.manager import Lent, TierManager
 from kvdepot.storage.pinner import ArenaPinner
 from kvdepot.storage.promotions import Promotions
 from kvdepot.transfer import MOVERS, BatchBlockMover, cuda_batch
@@ -334,10 +334,13 @@ class CacheEngine(PoolsOwner):
             slots = self.host.reserve_many(keys[lo:hi])  # drops are counted by the tier (``stats``)
         return [(lo + n, slot) for n, slot in enumerate(slots) if slot is not None]
 
-    def _provider(self, key: ChunkKey) -> Callable[[], bytes | None]:
-        """Write-behind reads a committed chunk's bytes from its host slot, pinned meanwhile."""
+    def _provider(self, key: ChunkKey) -> Callable[[], Lent | None]:
+        """Write-behind lends a committed chunk's host slot in place, pinned until the tiers have
+        written it (``Lent``). It used to copy the slot to ``bytes``: a memcpy under the GIL per
+        chunk written, which stalled the engine's step loop for its length (``kvdepot bench tiers
+        --parts stall``). A committed slot is never written again while pinned."""
 
-        def read() -> bytes | None:
+        def read() -> Lent | None:
             pin = ("write-behind", next(self._tokens))
             with self._lock:
                 if not self.host.contains(key):
@@ -345,9 +348,10 @@ class CacheEngine(PoolsOwner):
                 self.host.pin(pin, [key])
                 slot = self.host.slot(key)
             try:
-                return slot.numpy().tobytes()
-            finally:
+                return Lent(memoryview(slot.numpy()), lambda: self.release(pin))
+            except BaseException:
                 self.release(pin)
+                raise
 
         return read
 

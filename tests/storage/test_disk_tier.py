@@ -153,7 +153,7 @@ def _other_key(path: Path) -> None:
 
 
 def _unaligned_layout(path: Path) -> None:  # a valid Redis-layout object: not where the disk keeps it
-    path.write_bytes(codec.encode(NS, key(1), payload(1)).ljust(disk.OFFSET + len(payload(1)), b"\0"))
+    path.write_bytes(bytes(codec.encode(NS, key(1), payload(1))).ljust(disk.OFFSET + len(payload(1)), b"\0"))
 
 
 def _version_1(path: Path) -> None:  # what kvdepot wrote before the aligned layout

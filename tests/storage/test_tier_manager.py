@@ -21,7 +21,7 @@ from kvdepot.storage.admission import SecondHit
 from kvdepot.storage.base import CopyInto, TierStats
 from kvdepot.storage.disk import OFFSET, DiskTier
 from kvdepot.storage.host import HostTier
-from kvdepot.storage.manager import TierManager
+from kvdepot.storage.manager import Lent, TierManager
 from kvdepot.storage.promotions import Promotions
 from kvdepot.storage.redis_tier import RedisTier
 from kvdepot.storage.sizing import TierSizes, size_tiers
@@ -271,6 +271,35 @@ def test_write_behind_writes_every_tier_once(make: Callable[..., TierManager], d
     assert manager.write_behind(key(1), provider(1))  # present everywhere: nothing rewritten
     verify_written(manager, written=2)
     assert remote.stats().puts == 1 and disk.stats().puts == 1 and calls == [key(1)]  # nothing missing: not even read
+
+
+def test_a_lent_payload_is_given_back_once_every_tier_has_written_it(make: Callable[..., TierManager],
+                                                                     disk: DiskTier) -> None:
+    """The engine lends its pinned host slot (``Lent``): it must stay lent through every tier's
+    write, and be given back exactly once after the last."""
+    remote = MemoryTier()
+    remote.gate = threading.Event()
+    manager = make(remote=remote)
+    released: list[int] = []
+    lent = Lent(memoryview(bytearray(payload(1))), lambda: released.append(1))
+    assert manager.write_behind(key(1), lambda: lent)
+    time.sleep(0.2)  # the writer is now held in the remote's put, the disk's done or not begun
+    assert released == []
+    remote.gate.set()
+    verify_written(manager, written=2)
+    assert released == [1] and disk.get(key(1)) == payload(1) and remote.get(key(1)) == payload(1)
+
+
+def test_a_lent_payload_is_given_back_when_a_tier_fails(make: Callable[..., TierManager]) -> None:
+    class Broken(MemoryTier):
+        def put(self, key: ChunkKey, payload: codec.Payload) -> bool:
+            raise OSError("the tier went away")
+
+    manager = make(disk=None, remote=Broken())
+    released: list[int] = []
+    assert manager.write_behind(key(1), lambda: Lent(memoryview(payload(1)), lambda: released.append(1)))
+    manager.flush()
+    assert released == [1] and manager.stats().write_failures == 1
 
 
 def test_write_behind_queue_is_bounded_and_never_blocks(make: Callable[..., TierManager]) -> None:

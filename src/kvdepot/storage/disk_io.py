@@ -240,9 +240,9 @@ class ObjectFiles:
                 if cut < n:  # the last partial block, padded (truncated away below)
                     blocks[ALIGN : ALIGN + n - cut] = data[cut:]
                     body.append(blocks[ALIGN:])
-            else:  # NOTE: one copy into an aligned buffer (see docs/tiers.md for the measurements)
-                buf = self._bounce(n)
-                buf[:n] = data
+            else:  # NOTE: one copy into an aligned buffer (see docs/tiers.md for the measurements),
+                buf = self._bounce(n)  # by numpy, which releases the GIL for it (a memoryview's doesn't)
+                np.copyto(np.frombuffer(buf, dtype=np.uint8, count=n), np.frombuffer(data, dtype=np.uint8))
                 body = [buf[: _align(n)]]
             end, block = OFFSET + sum(part.nbytes for part in body), blocks[:ALIGN]
             if header is None:

@@ -13,7 +13,8 @@ Primitives (keys are ``ChunkKey``s; payloads are a chunk's exact bytes):
     copy_from_host(provider_of)        how to read a chunk back from host memory (promoted
                                        chunks' copies to disk are then lazy jobs)
     write_behind(key, provider) -> bool  enqueue copies of a chunk committed to host memory;
-                                       False when dropped (queue full, closed); never blocks
+                                       False when dropped (queue full, closed); never blocks.
+                                       ``provider()``: the payload, a ``Lent`` one, or None
     note_hits(keys)                    chunks reused from host memory: sightings for admission
     read_rate() -> float | None        bytes/s of finished promotions (None until measured)
     flush(); close()                   wait for queued writes; drain and join every thread
@@ -27,7 +28,9 @@ corrupt or wrong-sized chunk frees the target and ends the promotion (reads alre
 finish into their targets and are not counted).
 
 Writes are lazy: ``provider()`` runs on the writer thread and returns the payload, or None when
-the chunk is gone from host memory by then (counted as ``gone``). The disk admits a chunk
+the chunk is gone from host memory by then (counted as ``gone``). The engine's provider lends its
+host slot in place (``Lent``: pinned until every tier has written it), so no copy of the chunk is
+made under the GIL on the way down. The disk admits a chunk
 according to ``admission`` (``ADMISSION``): "always", or "second_hit" = only once the chunk was
 seen twice (stored or hit), so one-off prompts do not cost disk bandwidth; a refused chunk's
 provider is remembered (bounded) and written when its second sighting comes. Redis, shared
@@ -67,7 +70,20 @@ from kvdepot.storage.redis_tier import RedisTier
 
 logger = logging.getLogger("kvdepot")
 
-Provider = Callable[[], Payload | None]
+
+
+@dataclass(frozen=True)
+class Lent:
+    """A payload its owner lends in place until ``release``: a committed host slot, pinned, that
+    the writer sends to each tier and then gives back. Why not a copy: ``bytes`` of a 32 MiB chunk
+    is a memcpy under the GIL (~5 ms on a GPU host, ~17 ms on the dev VM), and the engine's step
+    loop cannot run Python meanwhile (``kvdepot bench tiers --parts stall``)."""
+
+    payload: Payload
+    release: Callable[[], None]
+
+
+Provider = Callable[[], Payload | Lent | None]
 
 
 class LowerTier(Tier, Protocol):
@@ -308,18 +324,23 @@ class TierManager:
         missing = [tier for tier in targets if not tier.contains(key)]
         if not missing:
             return
-        payload = provider()  # only now: copying out of host memory is the provider's cost
-        if payload is None:
+        got = provider()  # only now: reading out of host memory is the provider's cost
+        if got is None:
             with self._lock:
                 self._stats.gone += 1
             return
-        for tier in missing:
-            ok = tier.put(key, payload)
-            with self._lock:
-                if ok:
-                    self._stats.written += 1
-                else:
-                    self._stats.write_failures += 1
+        payload, release = (got.payload, got.release) if isinstance(got, Lent) else (got, None)
+        try:
+            for tier in missing:
+                ok = tier.put(key, payload)
+                with self._lock:
+                    if ok:
+                        self._stats.written += 1
+                    else:
+                        self._stats.write_failures += 1
+        finally:
+            if release is not None:
+                release()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def flush(self) -> None:
