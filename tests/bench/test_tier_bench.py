@@ -134,3 +134,34 @@ def test_a_bad_read_setting_names_the_option(text: str, says: str) -> None:
 
     with pytest.raises(SystemExit, match=f"--read-settings: .*{says}"):
         parse_settings(text)
+
+
+def test_stall_part_times_the_loop_beside_each_provider_and_leaves_nothing(redis_server: RedisServer, tmp_path: Path) -> None:
+    """Both tiers, the loop alone and beside each provider's writes; every chunk was written (the
+    bench refuses a round that dropped one), and none is left on disk or in Redis."""
+    from kvdepot.bench import write_stall
+
+    lent: list[int] = []
+    provider = write_stall._provider
+    (tmp_path / "disk").mkdir()
+    write_stall_args = bench_args("--parts", "stall", "--remote-url", redis_server.url, "--disk-path", str(tmp_path / "disk"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(write_stall, "_provider", lambda slot, kind: lent.append(kind == "lent") or provider(slot, kind))
+        rows = tiers.run(write_stall_args)
+    assert [(r["tier"], r["provider"]) for r in rows] == [(t, p) for t in ("disk", "redis") for p in ("alone", "bytes copy", "lent")]
+    assert all(r["loop ops/s"] > 0 and r["max gap ms"] >= 0 for r in rows)
+    assert all(isinstance(r["stalled ms/chunk"], float) for r in rows if r["provider"] != "alone")
+    assert rows[0]["ratio"] == rows[3]["ratio"] == 1.0
+    assert lent.count(True) == lent.count(False) == 2 * 2 * 2  # 2 tiers x 2 rounds (warm-up, 1 rep) x 2 chunks
+    assert redis_server.client().dbsize() == 0 and list((tmp_path / "disk").iterdir()) == []
+
+
+def test_stall_lent_provider_hands_the_slot_itself() -> None:
+    from kvdepot.bench import write_stall
+    from kvdepot.storage.manager import Lent
+
+    slot = torch.arange(64, dtype=torch.uint8)
+    got = write_stall._provider(slot, "lent")()
+    assert isinstance(got, Lent) and bytes(got.payload) == bytes(slot.numpy())
+    assert torch.frombuffer(got.payload, dtype=torch.uint8).data_ptr() == slot.data_ptr()
+    assert write_stall._provider(slot, "bytes copy")() == bytes(slot.numpy())

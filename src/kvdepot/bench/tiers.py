@@ -46,7 +46,8 @@ Op = Callable[[int, int], object]  # called with (repetition, chunk index)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     config = load_config()
-    parser.add_argument("--parts", default="disk,redis,ttft", help="comma-separated subset of disk,redis,ttft")
+    parser.add_argument("--parts", default="disk,redis,ttft", help="comma-separated subset of disk,redis,ttft,stall (stall: "
+                        "the step loop beside write-behind, write_stall.py)")
     parser.add_argument("--chunk-mib", type=float, default=32.0, help="payload per chunk (Llama-3-8B bf16, 256 tokens: 32)")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per repetition")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (after one warm-up)")
@@ -82,11 +83,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     root = Path(tempfile.mkdtemp(prefix="kvdepot-bench-tiers-", dir=args.disk_path))
     server, url = None, args.remote_url
     redis_steps = 3 + len(set(args.streams.split(",")))  # put/get, get_into, each batch of streams, promote
-    steps = (args.reps + 1) * ((2 + bool(settings)) * ("disk" in parts) + redis_steps * ("redis" in parts)) + 4 * ("ttft" in parts)
+    steps = ((args.reps + 1) * ((2 + bool(settings)) * ("disk" in parts) + redis_steps * ("redis" in parts) + 2 * ("stall" in parts))
+             + 4 * ("ttft" in parts))
     report = Report(args, steps=steps, device=torch.device("cpu") if "ttft" in parts else None, name="bench tiers",
                     bars=Bars(("tier", "op"), ("tier GB/s", "raw GB/s"), "GB/s"))
     try:
-        if url is None and parts & {"redis", "ttft"}:
+        if url is None and parts & {"redis", "ttft", "stall"}:
             server, url = _start_redis(root, size, args.chunks)
         cost = {name: 1e3 * median_seconds(fn, torch.device("cpu"), 3) for name, fn in _cpu_work(payload).items()}
         if parts & {"disk", "redis"}:
@@ -104,6 +106,12 @@ def run(args: argparse.Namespace) -> list[dict]:
             from kvdepot.bench.tiers_redis import redis_rows
 
             redis_rows(args, url, payload, cost, report)
+        if "stall" in parts:
+            from kvdepot.bench.write_stall import stall_rows
+
+            report.table(f"the step loop beside write-behind — {args.chunks} x {size / 2**20:g} MiB per round x {args.reps} reps; "
+                         f"load avg {os.getloadavg()[0]:.1f}", tier=5, provider=10)
+            stall_rows(args, root, url, report)
         if "ttft" in parts:
             report.table(f"TTFT — {args.model} on CPU ({args.threads or torch.get_num_threads()} threads), {args.prompt_tokens}"
                          f"-token prompts x {args.prompts}, load avg {os.getloadavg()[0]:.1f}; disk/redis hits: fresh "
