@@ -210,7 +210,9 @@ def _evict_to_disk(scheduler, worker, first: list[int]) -> None:
     remote = providers.current_remote()
     remote.prefetch_wait_s = 0  # answer from the LOOKUP alone: a fast promotion would count as a host hit
     save_request(scheduler, worker, 1, first)
-    assert wait_for(lambda: sum(s.figures.get("disk_chunks", 0) for s in remote.stats().shards) >= 6, 10)
+    # written, and every slot given back (write-behind pins each while the disk writes it)
+    assert wait_for(lambda: sum(s.figures.get("disk_chunks", 0) for s in remote.stats().shards) >= 6
+                    and sum(s.figures["pinned_chunks"] for s in remote.stats().shards) == 0, 10)
     other = [(t * 13 + 5) % 1000 for t in range(100)]
     assert scheduler.get_num_new_matched_tokens(Request(2, other), 0) == (0, False)
     scheduler.update_state_after_alloc(Request(2, other), list(range(13, 26)))

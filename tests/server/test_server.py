@@ -279,6 +279,12 @@ def test_tcp_server_maps_no_files_and_the_client_falls_back_to_bytes(workdir):
             c.close()
 
 
+def _written_and_unpinned(client, chunks: int) -> bool:
+    """At least ``chunks`` on disk, and no host slot pinned (write-behind lends each while it writes)."""
+    figures = totals(stats(client))
+    return figures.get("disk_chunks", 0) >= chunks and figures["pinned_chunks"] == 0
+
+
 def test_prefetch_from_disk_is_pending_until_promoted(workdir):
     chunk_bytes = 2 * 2 * 2 * POOL_SHAPE[3] * 2
     config = load_config(chunk_size=CHUNK, host_capacity_gb=(5 * chunk_bytes + 64) / 1e9,
@@ -292,9 +298,10 @@ def test_prefetch_from_disk_is_pending_until_promoted(workdir):
             engine.store(keys, list(range(BLOCKS))).wait()
             assert wait_for(lambda: totals(stats(c)).get("disk_chunks", 0) >= 5, 10)  # write-behind
             engine.store(later, list(range(BLOCKS, 2 * BLOCKS))).wait()  # evicts `keys`
-            # Write-behind of `later` pins its slots for a moment; with 5 slots a promotion meeting
-            # them all pinned stops short (and then reports fewer tokens ready): let it finish first.
-            assert wait_for(lambda: totals(stats(c)).get("disk_chunks", 0) >= 10, 10)
+            # Write-behind of `later` pins each slot while the disk writes it; with 5 slots a
+            # promotion meeting one pinned stops short (and then reports fewer tokens ready): let it
+            # finish first (written, and the last slot given back).
+            assert wait_for(lambda: _written_and_unpinned(c, 10), 10)
             status, _ = c.call(p.Lookup(21, w.join_keys(keys)))
             assert status.matched_tokens == 5 * CHUNK and status.ready_tokens == 0 and not status.done
             assert wait_for(lambda: c.call(p.QueryPrefetch(21))[0].done, 10)
@@ -325,9 +332,9 @@ def test_tensor_parallel_ranks_never_share_disk_objects(workdir):
             assert wait_for(lambda: totals(stats(clients[0])).get("disk_chunks", 0) >= 10, 10)
             for engine in ranks:  # push `keys` out of host memory on both ranks
                 engine.store(later, list(range(BLOCKS, 2 * BLOCKS))).wait()
-            # Let write-behind of `later` finish: its reads pin host slots for a moment, and with 5
-            # slots per rank a promotion that finds every slot pinned loads fewer chunks.
-            assert wait_for(lambda: totals(stats(clients[0])).get("disk_chunks", 0) >= 20, 10)
+            # Let write-behind of `later` finish: it pins each host slot while the disk writes it,
+            # and with 5 slots per rank a promotion that finds one pinned loads fewer chunks.
+            assert wait_for(lambda: _written_and_unpinned(clients[0], 20), 10)
             status, _ = clients[0].call(p.Lookup(3, w.join_keys(keys)))
             assert status.matched_tokens == 5 * CHUNK and not status.done
             dst = list(range(20, 20 + BLOCKS))
