@@ -130,11 +130,16 @@ class RedisClusterServers:
         self.wait_ok()
 
     def wait_ok(self, timeout_s: float = 15) -> None:
-        """Until every running node reports cluster_state:ok and knows every slot's master."""
+        """Until every running node reports cluster_state:ok and knows every slot's master.
+        cluster_state:ok alone is not that: with require-full-coverage off a node reports it while
+        gossip has yet to tell it another master's slots (a CI run read CLUSTER SLOTS then, and
+        found 2 masters of 3)."""
+        want = (b"cluster_state:ok", b"cluster_slots_assigned:16384", f"cluster_size:{len(self.nodes)}\r".encode(),
+                f"cluster_known_nodes:{len(self.nodes)}\r".encode())
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                if all(b"cluster_state:ok" in node.client().execute_command("CLUSTER", "INFO")
+                if all(all(w in node.client().execute_command("CLUSTER", "INFO") for w in want)
                        for node in self.nodes if node.proc is not None):
                     return
             except redis.RedisError:
