@@ -165,3 +165,13 @@ def test_stall_lent_provider_hands_the_slot_itself() -> None:
     assert isinstance(got, Lent) and bytes(got.payload) == bytes(slot.numpy())
     assert torch.frombuffer(got.payload, dtype=torch.uint8).data_ptr() == slot.data_ptr()
     assert write_stall._provider(slot, "bytes copy")() == bytes(slot.numpy())
+
+
+def test_stall_part_without_redis_server_times_the_disk_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPU hosts have no redis-server: the stall part then runs on disk only and starts nothing."""
+    which = shutil.which
+    monkeypatch.setattr(tiers.shutil, "which", lambda name: None if name == "redis-server" else which(name))
+    monkeypatch.setattr(tiers, "_start_redis", lambda *a: pytest.fail("started a redis-server"))
+    rows = tiers.run(bench_args("--parts", "stall", "--disk-path", str(tmp_path)))
+    assert [(r["tier"], r["provider"]) for r in rows] == [("disk", p) for p in ("alone", "bytes copy", "lent")]
+    assert list(tmp_path.iterdir()) == []

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp goals19 anatomy19
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers stall pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp goals19 anatomy19
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -41,6 +41,8 @@ for step in $steps; do
         } 2>&1 | tee "$OUT/mp.txt" ;;
     tiers) mkdir -p /tmp/kvd-disk; df -T /tmp/kvd-disk | tail -1
            python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/tiers.txt" ;;
+    stall) mkdir -p /tmp/kvd-disk  # the step loop beside write-behind to disk: lent slots against bytes copies (~1 min)
+      python3 -m kvdepot.cli bench tiers --parts stall --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/stall.txt" | tail -5 ;;
     pieces) mkdir -p /tmp/kvd-disk  # get_into by read setting (MiB:depth), one process, each read paired with a raw read
             python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk --reps ${PIECE_REPS:-6} \
               --read-settings ${PIECES:-2:4,2:8,2:16,4:8,8:4} 2>&1 | tee "$OUT/pieces.txt" ;;

@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     report = Report(args, steps=steps, device=torch.device("cpu") if "ttft" in parts else None, name="bench tiers",
                     bars=Bars(("tier", "op"), ("tier GB/s", "raw GB/s"), "GB/s"))
     try:
-        if url is None and parts & {"redis", "ttft", "stall"}:
+        # stall times Redis too where redis-server is installed (GPU hosts have none: disk only there)
+        if url is None and (parts & {"redis", "ttft"} or ("stall" in parts and shutil.which("redis-server"))):
             server, url = _start_redis(root, size, args.chunks)
         cost = {name: 1e3 * median_seconds(fn, torch.device("cpu"), 3) for name, fn in _cpu_work(payload).items()}
         if parts & {"disk", "redis"}:
