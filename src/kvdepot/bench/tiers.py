@@ -205,8 +205,9 @@ def _drop_cache(root: Path) -> None:
 
 def _disk(args: argparse.Namespace, root: Path, payload: bytes, cost: dict[str, float], report: Report) -> list[dict]:
     """put and get_into move the bytes as the raw calls do: from and into reused page-aligned buffers
-    (in the engine: host-arena slots). Labelled extras: get (new memory each call) and put of a
-    ``bytes`` object (unaligned, as a ``tobytes()`` copy of a slot is)."""
+    (in the engine: host-arena slots, which write-behind lends in place). Labelled extras: get (new
+    memory each call) and put of a ``bytes`` object (unaligned: bounced through an aligned buffer,
+    as the engine's old ``tobytes()`` copies of slots were)."""
     n, size, reps = args.chunks, len(payload), range(args.reps + 1)
     tier = DiskTier(root / "tier", 4 * n * (size + 2 * ALIGN), NS, fsync=args.fsync, o_direct=_o_direct(args))
     direct = tier.o_direct
