@@ -32,6 +32,7 @@ import torch
 from kvdepot.bench.report import Report
 from kvdepot.keys import ChunkKey
 from kvdepot.storage.disk import ALIGN, DiskTier
+from kvdepot.storage.host import page_aligned
 from kvdepot.storage.manager import Lent, LowerTier, Provider, TierManager
 from kvdepot.storage.redis_tier import RedisTier
 
@@ -43,10 +44,11 @@ PROVIDERS = ("bytes copy", "lent")
 
 def stall_rows(args: argparse.Namespace, root: Path, url: str | None, report: Report) -> list[dict]:
     size = int(args.chunk_mib * 2**20)
-    # The host slots: pinned where a GPU is, as the engine's arena is (page-aligned: the disk writes them in place).
-    pinned = torch.cuda.is_available()
-    slots = [torch.randint(0, 256, (size,), dtype=torch.uint8).pin_memory() if pinned
-             else torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(args.chunks)]
+    # The host slots, as the engine's arena makes them: pinned where a GPU is, else plain memory on a
+    # page (both page-aligned, so the disk writes a slot in place when its size is a 4 KiB multiple).
+    arena = torch.empty((args.chunks, size), dtype=torch.uint8, pin_memory=True) if torch.cuda.is_available() \
+        else page_aligned(args.chunks, size)
+    slots = list(arena.copy_(torch.randint(0, 256, (args.chunks, size), dtype=torch.uint8)).unbind(0))
     tiers: list[tuple[str, Callable[[], LowerTier]]] = [
         ("disk", lambda: DiskTier(root / "stall", 2 * args.chunks * (size + 2 * ALIGN), NS, fsync=args.fsync))]
     if url is not None:

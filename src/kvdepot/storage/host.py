@@ -33,6 +33,19 @@ from kvdepot.storage.budget import Budget
 from kvdepot.storage.policy import POLICIES
 
 SEGMENT_BYTES = 128 << 20  # grow the arena 128 MiB (or one slot, if larger) at a time
+PAGE = 4096
+
+
+def page_aligned(count: int, slot_bytes: int) -> torch.Tensor:
+    """``count`` slots of plain memory starting on a page: torch's CPU allocator aligns to 64
+    bytes only. With a slot size that is a multiple of 4 KiB every slot is page-aligned, so the
+    disk tier writes and reads slots in place (O_DIRECT) rather than through its bounce buffer,
+    a memcpy of each chunk each way, on CPU-only engines too (vLLM's CPU build)."""
+    raw = torch.empty(count * slot_bytes + PAGE, dtype=torch.uint8)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + count * slot_bytes].view(count, slot_bytes)
+
+
 _GONE = torch.empty(0, dtype=torch.uint8)  # the view of a slot whose segment was given back
 
 
@@ -156,7 +169,9 @@ class HostTier:
             if not count:
                 return None
         try:
-            return torch.empty((count, self.slot_bytes), dtype=torch.uint8, pin_memory=self.pin_memory)
+            if self.pin_memory:  # cudaHostAlloc's memory is page-aligned already
+                return torch.empty((count, self.slot_bytes), dtype=torch.uint8, pin_memory=True)
+            return page_aligned(count, self.slot_bytes)
         except BaseException:
             if self._budget is not None:
                 self._budget.give(self, count * self.slot_bytes)
