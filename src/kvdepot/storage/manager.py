@@ -30,14 +30,13 @@ finish into their targets and are not counted).
 Writes are lazy: ``provider()`` runs on the writer thread and returns the payload, or None when
 the chunk is gone from host memory by then (counted as ``gone``). The engine's provider lends its
 host slot in place (``Lent``: pinned until every tier has written it), so no copy of the chunk is
-made under the GIL on the way down. The disk admits a chunk
-according to ``admission`` (``ADMISSION``): "always", or "second_hit" = only once the chunk was
-seen twice (stored or hit), so one-off prompts do not cost disk bandwidth; a refused chunk's
-provider is remembered (bounded) and written when its second sighting comes. Redis, shared
-across nodes, takes every chunk. A chunk promoted from Redis is also copied to disk
-(``promote_to_disk``): a lazy job too, read back from its host slot when written, once the owner
-said how (``copy_from_host``); without that, a copy holding its payload, with its own small bound
-(``held_depth``). A plain job is a key and a provider, so the queue can be deep (a depth of 32
+made under the GIL on the way down. The disk admits a chunk according to ``admission``
+(``ADMISSION``): "always", or "second_hit" = only once the chunk was seen twice (stored or hit),
+so one-off prompts do not cost disk bandwidth; a refused chunk's provider is remembered
+(bounded) and written when its second sighting comes. Redis, shared across nodes, takes every
+chunk. A chunk promoted from Redis is also copied to disk (``promote_to_disk``): a lazy job too,
+read back from its host slot when written, once the owner said how (``copy_from_host``); without
+that, a copy holding its payload, with its own small bound (``held_depth``). A plain job is a key and a provider, so the queue can be deep (a depth of 32
 dropped all but the first 32 chunks of a long prompt: other nodes never saw the rest). Bounded
 time: ``find`` costs one in-memory disk check and one Redis pipeline, each Redis call has the
 tier's timeout, and an unavailable tier answers at once.
@@ -69,7 +68,6 @@ from kvdepot.storage.rate import Rate
 from kvdepot.storage.redis_tier import RedisTier
 
 logger = logging.getLogger("kvdepot")
-
 
 
 @dataclass(frozen=True)
