@@ -83,13 +83,14 @@ def run(args: argparse.Namespace) -> list[dict]:
     root = Path(tempfile.mkdtemp(prefix="kvdepot-bench-tiers-", dir=args.disk_path))
     server, url = None, args.remote_url
     redis_steps = 3 + len(set(args.streams.split(",")))  # put/get, get_into, each batch of streams, promote
-    steps = ((args.reps + 1) * ((2 + bool(settings)) * ("disk" in parts) + redis_steps * ("redis" in parts) + 2 * ("stall" in parts))
+    # stall times Redis too where one is given or redis-server is installed (GPU hosts have none: disk only there)
+    stall_tiers = ("stall" in parts) * (1 + bool(url or shutil.which("redis-server")))
+    steps = ((args.reps + 1) * ((2 + bool(settings)) * ("disk" in parts) + redis_steps * ("redis" in parts) + stall_tiers)
              + 4 * ("ttft" in parts))
     report = Report(args, steps=steps, device=torch.device("cpu") if "ttft" in parts else None, name="bench tiers",
                     bars=Bars(("tier", "op"), ("tier GB/s", "raw GB/s"), "GB/s"))
     try:
-        # stall times Redis too where redis-server is installed (GPU hosts have none: disk only there)
-        if url is None and (parts & {"redis", "ttft"} or ("stall" in parts and shutil.which("redis-server"))):
+        if url is None and (parts & {"redis", "ttft"} or stall_tiers == 2):
             server, url = _start_redis(root, size, args.chunks)
         cost = {name: 1e3 * median_seconds(fn, torch.device("cpu"), 3) for name, fn in _cpu_work(payload).items()}
         if parts & {"disk", "redis"}:
