@@ -175,3 +175,9 @@ def test_stall_part_without_redis_server_times_the_disk_alone(tmp_path: Path, mo
     rows = tiers.run(bench_args("--parts", "stall", "--disk-path", str(tmp_path)))
     assert [(r["tier"], r["provider"]) for r in rows] == [("disk", p) for p in ("alone", "bytes copy", "lent")]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unknown_part_is_refused_with_the_allowed_ones(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"--parts: unknown \['stal'\]; allowed: disk, redis, ttft, stall"):
+        tiers.run(bench_args("--parts", "disk,stal", "--disk-path", str(tmp_path)))
+    assert list(tmp_path.iterdir()) == []  # refused before anything was made

@@ -42,11 +42,12 @@ from kvdepot.storage.redis_tier import RedisTier
 
 NS = bytes(range(16))
 Op = Callable[[int, int], object]  # called with (repetition, chunk index)
+PARTS = ("disk", "redis", "ttft", "stall")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     config = load_config()
-    parser.add_argument("--parts", default="disk,redis,ttft", help="comma-separated subset of disk,redis,ttft,stall (stall: "
+    parser.add_argument("--parts", default="disk,redis,ttft", help=f"comma-separated subset of {','.join(PARTS)} (stall: "
                         "the step loop beside write-behind, write_stall.py)")
     parser.add_argument("--chunk-mib", type=float, default=32.0, help="payload per chunk (Llama-3-8B bf16, 256 tokens: 32)")
     parser.add_argument("--chunks", type=int, default=8, help="chunks per repetition")
@@ -75,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> list[dict]:
     parts, size = set(args.parts.split(",")), int(args.chunk_mib * 2**20)
+    if parts - set(PARTS):
+        raise SystemExit(f"--parts: unknown {sorted(parts - set(PARTS))}; allowed: {', '.join(PARTS)}")
     # NOTE: imported here, as tiers_redis below: disk_reads imports this module's helpers
     from kvdepot.bench.disk_reads import parse_settings, read_settings_rows
 
