@@ -240,7 +240,7 @@ def test_an_in_process_load_that_fails_makes_the_waiter_wait_for_what_went():
         def __init__(self, n: int) -> None:
             self.n = n
 
-        def record(self) -> None:
+        def record(self, stream: object = None) -> None:
             pass
 
     def layers():
@@ -282,8 +282,8 @@ class _Logged:
     def __init__(self, log: list, name: str) -> None:
         self.log, self.name = log, name
 
-    def record(self) -> None:
-        self.log.append(("event", self.name))
+    def record(self, stream: object = None) -> None:
+        self.log.append(("event", self.name, stream))
 
 
 def test_a_layered_load_signals_each_layer_right_after_enqueueing_it_on_its_copy_stream():
@@ -300,7 +300,7 @@ def test_a_layered_load_signals_each_layer_right_after_enqueueing_it_on_its_copy
     load.issue_through(2)  # what start_layered enqueues at once
     load.enqueue_through(3)
     load.finish()
-    assert log == [step for n in range(6) for step in (("copies", n), ("event", n), ("signal", n, True))]
+    assert log == [step for n in range(6) for step in (("copies", n), ("event", n, side), ("signal", n, True))]
 
 
 def test_a_layer_signal_that_fails_fails_the_load_there():

@@ -8,7 +8,9 @@ first layer not enqueued, after the copies that did go."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -90,6 +92,47 @@ def test_a_helper_ahead_of_the_forward_enqueues_the_rest_and_the_forward_only_wa
     by = {step[1]: step[2] for step in log if step[0] == "enqueued"}
     assert {by[n] for n in range(load.ahead, LAYERS)} == {"helper"}  # the forward enqueued none of them
     assert ended == [None] and load.fully_waited
+
+
+def test_the_helper_makes_the_side_stream_current_once_per_load_and_records_each_event_on_it() -> None:
+    """What the helper's Python costs the forward's thread, it costs per layer (issue 19): one
+    stream context for its whole job, every layer's copies and event on the side stream."""
+    side, current, log, entered = object(), threading.local(), [], []
+
+    @contextlib.contextmanager
+    def use(stream: Any) -> Iterator[None]:
+        entered.append(threading.current_thread().name)
+        before, current.stream = getattr(current, "stream", None), stream
+        try:
+            yield
+        finally:
+            current.stream = before
+
+    class Event:
+        def __init__(self, layer: int) -> None:
+            self.layer = layer
+
+        def record(self, stream: Any = None) -> None:
+            log.append(("recorded", self.layer, stream is side))
+
+    def mover():
+        for layer in range(LAYERS):
+            log.append(("enqueued", layer, getattr(current, "stream", None) is side))
+            yield layer
+
+    load = LayeredLoad(mover(), [Event(n) for n in range(LAYERS)], side, lambda exc: None, 2, use=use)
+    load.issue_through(load.ahead)
+    load.helped = True
+    issuer = LayerIssuer("helper")
+    try:
+        issuer.submit(load.issue_rest)
+        assert issuer.drain(10)
+    finally:
+        issuer.close()
+    assert log == [step for n in range(LAYERS) for step in (("enqueued", n, True), ("recorded", n, True))]
+    assert entered == [threading.current_thread().name, "helper"]
+    load.issue_through(LAYERS)  # nothing left: no stream context at all
+    assert len(entered) == 2
 
 
 def test_a_forward_that_needs_a_layer_the_helper_is_enqueueing_waits_for_it_and_nothing_goes_twice() -> None:

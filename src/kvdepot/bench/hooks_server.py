@@ -39,7 +39,7 @@ def spin(us: float) -> None:
 
 
 class _Event:
-    def record(self) -> None:
+    def record(self, stream: object = None) -> None:
         pass
 
 

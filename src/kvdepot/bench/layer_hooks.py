@@ -84,7 +84,7 @@ class _Stream:
 
 
 class _Event:
-    def record(self) -> None:
+    def record(self, stream: object = None) -> None:
         pass
 
 

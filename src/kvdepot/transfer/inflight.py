@@ -300,7 +300,7 @@ class InflightTransfers:
                 self._layered.discard(load)
             transfer.issued.set()
 
-        load = LayeredLoad(iter(layers), events, side, issued, self.layers_ahead, on_layer)
+        load = LayeredLoad(iter(layers), events, side, issued, self.layers_ahead, on_layer, self.kit.use)
         with self._lock:
             self._layered.add(load)
         load.issue_through(self.layers_ahead)

@@ -97,24 +97,38 @@ class LayeredLoad(LayerWaits):
 
     def __init__(self, layers: Iterator[int], events: list[Any], side: Any,
                  on_issued: Callable[[BaseException | None], None], ahead: int = LAYERS_AHEAD,
-                 on_layer: Callable[[int, Any], None] | None = None) -> None:
+                 on_layer: Callable[[int, Any], None] | None = None,
+                 use: Callable[[Any], contextlib.AbstractContextManager[Any]] = torch.cuda.stream) -> None:
         """``layers``: each ``next()`` enqueues the next layer on the current stream (the mover's
         ``scatter_layers``). ``on_issued(None)`` once every layer is enqueued, ``on_issued(error)``
         if one could not be. ``ahead``: layers enqueued past the one waited for (config
         ``load_layers_ahead``). ``on_layer(layer, side)``: called right after each layer's copies
         and event are enqueued on ``side``, to enqueue more there (a server's interprocess event
-        for the layer, ``server/layer_progress.py``); raising fails the load there."""
+        for the layer, ``server/layer_progress.py``); raising fails the load there. ``use(side)``:
+        makes ``side`` the current stream (``StreamKit.use``), for the first layer's ``next()``,
+        which fixes the mover's stream, and for a mover that falls back to torch's copies."""
         super().__init__(len(events))
         self.ahead = ahead
         self.events = events
         self.issued = 0  # layers 0..issued-1 are enqueued and their events recorded
         self._layers, self._side, self._on_issued, self._on_layer = layers, side, on_issued, on_layer
+        self._use = use
         self.helped = False  # a helper thread enqueues the layers not yet enqueued (``issue_rest``)
         self._failed: BaseException | None = None
         self._lock = threading.Lock()  # the forward's thread, a helper and a ``wait_all`` elsewhere may all issue
 
     def issue_through(self, count: int) -> None:
         """Enqueue every layer below ``count`` not enqueued yet."""
+        if self._failed is None and self.issued >= min(count, len(self.events)):
+            return  # nothing to enqueue (``issued`` only grows): no stream to make current
+        with self._use(self._side):
+            self._issue_through(count)
+
+    def _issue_through(self, count: int) -> None:
+        """``issue_through`` with the side stream already current on this thread. Each event is
+        recorded on the side stream by name: torch's ``record()`` with no stream looks up the
+        current one, a few µs of the helper's GIL per layer (issue 19, thirteenth pass: the
+        helper's own Python is what the layer thread costs a forward)."""
         with self._lock:
             if self._failed is not None:
                 raise TransferFailed(f"kvdepot: a layered load failed after {self.issued} layers") from self._failed
@@ -122,14 +136,13 @@ class LayeredLoad(LayerWaits):
             if self.issued >= count:
                 return
             try:
-                with torch.cuda.stream(self._side):
-                    while self.issued < count:
-                        if next(self._layers) != self.issued:
-                            raise RuntimeError(f"a mover enqueued layers out of order (expected {self.issued})")
-                        self.events[self.issued].record()
-                        if self._on_layer is not None:
-                            self._on_layer(self.issued, self._side)
-                        self.issued += 1
+                while self.issued < count:
+                    if next(self._layers) != self.issued:
+                        raise RuntimeError(f"a mover enqueued layers out of order (expected {self.issued})")
+                    self.events[self.issued].record(self._side)
+                    if self._on_layer is not None:
+                        self._on_layer(self.issued, self._side)
+                    self.issued += 1
             except BaseException as exc:
                 self._failed = exc
                 self._layers = iter(())
@@ -141,10 +154,12 @@ class LayeredLoad(LayerWaits):
     def issue_rest(self) -> None:
         """Enqueue every layer not enqueued yet, one per hold of the lock, so that a forward that
         needs a layer the helper has not reached takes its turn in between: a helper thread's job
-        (set ``helped`` when it is handed over). A failure goes to ``on_issued`` and to the waits."""
-        with contextlib.suppress(TransferFailed):
+        (set ``helped`` when it is handed over). A failure goes to ``on_issued`` and to the waits.
+        The side stream is made current once for the whole job (the current stream is per
+        thread), not once per layer as the forward's own ``issue_through`` does."""
+        with contextlib.suppress(TransferFailed), self._use(self._side):
             while self.issued < len(self.events):
-                self.issue_through(self.issued + 1)
+                self._issue_through(self.issued + 1)
 
     def _wait(self, layer: int, stream: Any) -> None:
         # ``issued`` only grows, each layer's event recorded before it counts the layer: past

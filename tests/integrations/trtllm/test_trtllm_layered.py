@@ -43,7 +43,7 @@ class _Event:
     def __init__(self, log: list | None = None, name: Any = None) -> None:
         self.recorded, self.log, self.name = False, log, name
 
-    def record(self) -> None:
+    def record(self, stream: Any = None) -> None:
         self.recorded = True
         if self.log is not None:
             self.log.append(("recorded", self.name))
