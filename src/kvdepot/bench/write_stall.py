@@ -12,14 +12,15 @@ one tier. Each chunk is provided as the engine provides it now (``lent``: its ho
 copied to ``bytes`` first). The loop alone, in the same run, is the floor.
 
 Columns: ``loop ops/s`` beside the writes over the loop alone (``ratio``); ``max gap ms``, the
-longest the loop waited between two ops; ``stalled ms/chunk``, its time in gaps over 1 ms per
-chunk written. On 2 cores some of the slowdown is the copies' CPU time, GIL or not; the gaps
+longest the loop waited between two ops (in any repetition); ``stalled ms/chunk``, its time in
+gaps over 1 ms per chunk written. On 2 cores some of the slowdown is the copies' CPU time, GIL or not; the gaps
 tell the GIL.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import threading
 import time
@@ -42,6 +43,16 @@ ALONE_S = 0.5
 PROVIDERS = ("bytes copy", "lent")
 
 
+@dataclasses.dataclass
+class LoopRun:
+    """One run of the loop: its ops and seconds, its gaps over ``GAP_S``, and its longest gap."""
+
+    ops: int
+    seconds: float
+    gaps: list[float]
+    longest: float
+
+
 def stall_rows(args: argparse.Namespace, root: Path, url: str | None, report: Report) -> list[dict]:
     size = int(args.chunk_mib * 2**20)
     # The host slots, as the engine's arena makes them: pinned where a GPU is, else plain memory on a
@@ -56,7 +67,7 @@ def stall_rows(args: argparse.Namespace, root: Path, url: str | None, report: Re
         tiers.append(("redis", lambda: RedisTier(url, NS, timeout_s=args.redis_timeout, prefix=f"kvdepot-bench-{tag}")))
     rows = []
     for name, make in tiers:
-        runs: dict[str, list[tuple[int, float, list[float]]]] = {p: [] for p in ("alone", *PROVIDERS)}
+        runs: dict[str, list[LoopRun]] = {p: [] for p in ("alone", *PROVIDERS)}
         for rep in range(args.reps + 1):  # repetition 0 is a warm-up
             with report.step(f"stall, {name}: {'warm-up' if rep == 0 else f'repetition {rep}'}"):
                 for kind in ("alone", *(PROVIDERS if rep % 2 else PROVIDERS[::-1])):
@@ -73,7 +84,7 @@ def _provider(slot: torch.Tensor, kind: str) -> Provider:
     return lambda: slot.numpy().tobytes()
 
 
-def _beside_writes(tier: LowerTier, name: str, slots: list[torch.Tensor], kind: str) -> tuple[int, float, list[float]]:
+def _beside_writes(tier: LowerTier, name: str, slots: list[torch.Tensor], kind: str) -> LoopRun:
     """The loop while ``slots`` are written behind to ``tier`` (fresh keys), until the last is
     written; then the chunks are deleted and the tier closed (with its manager)."""
     manager = TierManager(tier if name == "disk" else None, tier if name != "disk" else None,  # type: ignore[arg-type]
@@ -96,30 +107,31 @@ def _beside_writes(tier: LowerTier, name: str, slots: list[torch.Tensor], kind: 
     return run
 
 
-def _alone() -> tuple[int, float, list[float]]:
+def _alone() -> LoopRun:
     until = time.perf_counter() + ALONE_S
     return _loop(lambda: time.perf_counter() > until)
 
 
-def _loop(done: Callable[[], bool]) -> tuple[int, float, list[float]]:
-    """(ops, seconds, gaps over ``GAP_S``) of a loop of small in-place adds until ``done()``."""
+def _loop(done: Callable[[], bool]) -> LoopRun:
+    """A loop of small in-place adds until ``done()``."""
     x = torch.zeros(4096)
-    ops, gaps = 0, []
+    ops, gaps, longest = 0, [], 0.0
     start = last = time.perf_counter()
     while not done():
         x.add_(1.0)
         now = time.perf_counter()
-        if now - last > GAP_S:
-            gaps.append(now - last)
+        gap = now - last
+        if gap > GAP_S:
+            gaps.append(gap)
+        longest = max(longest, gap)
         last, ops = now, ops + 1
-    return ops, last - start, gaps
+    return LoopRun(ops, last - start, gaps, longest)
 
 
-def _row(tier: str, kind: str, runs: list[tuple[int, float, list[float]]], alone: list[tuple[int, float, list[float]]],
-         chunks: int) -> dict:
-    rate = statistics.median(ops / s for ops, s, _ in runs)
-    floor = statistics.median(ops / s for ops, s, _ in alone)
-    per_chunk = "" if kind == "alone" else statistics.median(sum(g) for *_, g in runs) * 1e3 / chunks
+def _row(tier: str, kind: str, runs: list[LoopRun], alone: list[LoopRun], chunks: int) -> dict:
+    rate = statistics.median(r.ops / r.seconds for r in runs)
+    floor = statistics.median(r.ops / r.seconds for r in alone)
+    per_chunk = "" if kind == "alone" else statistics.median(sum(r.gaps) for r in runs) * 1e3 / chunks
     return {"tier": tier, "provider": kind, "loop ops/s": rate, "ratio": rate / floor,
-            "max gap ms": max((max(g, default=0.0) for *_, g in runs), default=0.0) * 1e3,
-            "stalled ms/chunk": per_chunk, "write s": statistics.median(s for _, s, _ in runs) if kind != "alone" else ""}
+            "max gap ms": max((r.longest for r in runs), default=0.0) * 1e3,
+            "stalled ms/chunk": per_chunk, "write s": statistics.median(r.seconds for r in runs) if kind != "alone" else ""}
