@@ -65,6 +65,8 @@ def test_bench_transfer_times_a_store_and_a_retrieve_behind_gpu_work(kvdepot_env
     behind = {r["op"]: r for r in rows if "behind" in r["op"]}
     assert set(behind) == {"store behind 1 ms of work", "retrieve behind 1 ms of work"}
     assert all(r["ratio"] > 0 and r["GB/s"] > 0 for r in behind.values())
+    compute = {r["op"]: r["ratio"] for r in rows if r["op"].startswith("compute beside")}  # paired with the loop alone
+    assert set(compute) == {"compute beside store", "compute beside memcpy"} and all(v > 0 for v in compute.values())
     # The clock starts where the work ends: 5 ms of work before a no-op reads as (almost) nothing.
     device = torch.device("cuda")
     nothing_s, _, _ = behind_work_seconds(lambda: None, lambda: None, device, reps=3, work_s=0.005)

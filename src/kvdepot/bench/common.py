@@ -183,7 +183,9 @@ def compute_share(transfer: Callable[[], Any], seconds: float, device: torch.dev
     """Throughput of a bf16 matmul loop on another stream while ``transfer`` runs, over alone (1.0:
     the transfer costs compute nothing). Copy engines use no SMs; gather kernels and copying
     kernels do, and this is the number that says how much. ``seconds``: how long one transfer
-    takes (the loop is sized to run inside it, after a GPU sleep that lets the transfer start)."""
+    takes (the loop is sized to run inside it, after a GPU sleep that lets the transfer start).
+    The median of ``reps`` pairs, each a loop alone and then one beside the transfer: a GPU whose
+    clocks drift over the run (heat, power) would otherwise read the drift as the transfer's cost."""
     side = torch.cuda.Stream(device)
     a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=device)
     out = torch.empty_like(a)
@@ -214,14 +216,14 @@ def compute_share(transfer: Callable[[], Any], seconds: float, device: torch.dev
     cycles_per_s = (1 << 20) / elapsed(sleep)
     lead = 0.25 * seconds  # the matmuls start once the transfer's copies are under way
     count = max(2, int(0.6 * seconds / one))
-    alone = statistics.median(elapsed(loop(count)) for _ in range(reps))
-    beside = []
+    ratios = []
     for _ in range(reps):
+        alone = elapsed(loop(count))
         events = loop(count, int(lead * cycles_per_s))
         transfer()
-        beside.append(elapsed(events))
+        ratios.append(alone / elapsed(events))
         sync(device)
-    return alone / statistics.median(beside)
+    return statistics.median(ratios)
 
 
 def gpu_timeline(fn: Callable[[], Any]) -> dict[str, float]:
