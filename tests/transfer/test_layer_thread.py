@@ -224,6 +224,42 @@ def test_a_helper_that_fails_fails_the_forward_at_the_first_layer_not_enqueued()
     assert ("waited", 0) not in log
 
 
+def test_a_side_stream_that_cannot_be_made_current_fails_the_load_as_a_failed_enqueue_does(caplog) -> None:
+    """The stream context is entered outside the enqueue's own failure handling: failing there
+    must still reach ``on_issued`` once and every later wait, not leave the load half-issued."""
+    log: list = []
+    ended: list = []
+
+    @contextlib.contextmanager
+    def use(stream: Any) -> Iterator[None]:
+        if threading.current_thread().name == "helper":
+            raise RuntimeError("cannot make the side stream current")
+        yield
+
+    def mover():
+        for layer in range(LAYERS):
+            log.append(("enqueued", layer, threading.current_thread().name))
+            yield layer
+
+    load = LayeredLoad(mover(), [_Event(log, n) for n in range(LAYERS)], None, ended.append, 2, use=use)
+    load.issue_through(load.ahead)
+    load.helped = True
+    issuer = LayerIssuer("helper")
+    try:
+        issuer.submit(load.issue_rest)
+        assert issuer.drain(10)
+    finally:
+        issuer.close()
+    assert "a layer job failed" not in caplog.text  # the load's failure, not the job's
+    assert _enqueued(log) == [0, 1]
+    assert len(ended) == 1 and isinstance(ended[0], RuntimeError) and load.fully_issued
+    stream = _Stream(log)
+    with pytest.raises(TransferFailed, match="after 2 layers"):
+        load.wait_layer(0, stream)
+    assert ("fenced", None) in log and ("waited", 0) not in log  # what went lands before the blocks' next use
+    assert len(ended) == 1
+
+
 class _Recording(ImmediateStreams):
     """Immediate streams whose events are the test's flags."""
 

@@ -121,8 +121,23 @@ class LayeredLoad(LayerWaits):
         """Enqueue every layer below ``count`` not enqueued yet."""
         if self._failed is None and self.issued >= min(count, len(self.events)):
             return  # nothing to enqueue (``issued`` only grows): no stream to make current
-        with self._use(self._side):
-            self._issue_through(count)
+        self._on_side(lambda: self._issue_through(count))
+
+    def _on_side(self, issue: Callable[[], None]) -> None:
+        """``issue()`` with the side stream current on this thread. Failing to make it so fails
+        the load, as a failed enqueue does (``on_issued(error)``, ``TransferFailed`` from every
+        later wait): the stream context is entered outside ``_issue_through``'s own handling."""
+        with contextlib.ExitStack() as scope:
+            try:
+                scope.enter_context(self._use(self._side))
+            except BaseException as exc:
+                with self._lock:
+                    if self._failed is None and self.issued < len(self.events):
+                        raise self._fail(exc) from exc
+                    if self._failed is not None:
+                        raise self._failure() from self._failed
+                return  # every layer was enqueued meanwhile: nothing needed the stream
+            issue()
 
     def _issue_through(self, count: int) -> None:
         """``issue_through`` with the side stream already current on this thread. Each event is
@@ -131,7 +146,7 @@ class LayeredLoad(LayerWaits):
         helper's own Python is what the layer thread costs a forward)."""
         with self._lock:
             if self._failed is not None:
-                raise TransferFailed(f"kvdepot: a layered load failed after {self.issued} layers") from self._failed
+                raise self._failure() from self._failed
             count = min(count, len(self.events))
             if self.issued >= count:
                 return
@@ -144,12 +159,19 @@ class LayeredLoad(LayerWaits):
                         self._on_layer(self.issued, self._side)
                     self.issued += 1
             except BaseException as exc:
-                self._failed = exc
-                self._layers = iter(())
-                self._on_issued(exc)
-                raise TransferFailed(f"kvdepot: a layered load failed after {self.issued} layers: {exc}") from exc
+                raise self._fail(exc) from exc
             if self.issued == len(self.events):
                 self._on_issued(None)
+
+    def _failure(self, exc: BaseException | None = None) -> TransferFailed:
+        return TransferFailed(f"kvdepot: a layered load failed after {self.issued} layers" + (f": {exc}" if exc is not None else ""))
+
+    def _fail(self, exc: BaseException) -> TransferFailed:
+        """Enqueue nothing more, tell ``on_issued``; the error for the caller to raise (lock held)."""
+        self._failed = exc
+        self._layers = iter(())
+        self._on_issued(exc)
+        return self._failure(exc)
 
     def issue_rest(self) -> None:
         """Enqueue every layer not enqueued yet, one per hold of the lock, so that a forward that
@@ -157,9 +179,12 @@ class LayeredLoad(LayerWaits):
         (set ``helped`` when it is handed over). A failure goes to ``on_issued`` and to the waits.
         The side stream is made current once for the whole job (the current stream is per
         thread), not once per layer as the forward's own ``issue_through`` does."""
-        with contextlib.suppress(TransferFailed), self._use(self._side):
-            while self.issued < len(self.events):
-                self._issue_through(self.issued + 1)
+        with contextlib.suppress(TransferFailed):
+            self._on_side(self._issue_each)
+
+    def _issue_each(self) -> None:
+        while self.issued < len(self.events):
+            self._issue_through(self.issued + 1)
 
     def _wait(self, layer: int, stream: Any) -> None:
         # ``issued`` only grows, each layer's event recorded before it counts the layer: past
@@ -185,8 +210,7 @@ class LayeredLoad(LayerWaits):
         with self._lock:
             if self._failed is not None or self.issued == len(self.events):
                 return
-            self._failed, self._layers = reason, iter(())
-            self._on_issued(reason)  # unpinned once what was enqueued has run
+            self._fail(reason)  # unpinned once what was enqueued has run
 
     def finish(self) -> None:
         """Enqueue every remaining layer (nothing waits): shutdown, or a forward that stopped early."""
