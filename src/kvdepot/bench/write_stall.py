@@ -13,8 +13,8 @@ copied to ``bytes`` first). The loop alone, in the same run, is the floor.
 
 Columns: ``loop ops/s`` beside the writes over the loop alone (``ratio``); ``max gap ms``, the
 longest the loop waited between two ops (in any repetition); ``stalled ms/chunk``, its time in
-gaps over 1 ms per chunk written. On 2 cores some of the slowdown is the copies' CPU time, GIL or not; the gaps
-tell the GIL.
+gaps over 1 ms per chunk written. On 2 cores some of the slowdown is the copies' CPU time, GIL
+or not; the gaps tell the GIL.
 """
 
 from __future__ import annotations

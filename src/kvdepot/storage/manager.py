@@ -36,10 +36,11 @@ so one-off prompts do not cost disk bandwidth; a refused chunk's provider is rem
 (bounded) and written when its second sighting comes. Redis, shared across nodes, takes every
 chunk. A chunk promoted from Redis is also copied to disk (``promote_to_disk``): a lazy job too,
 read back from its host slot when written, once the owner said how (``copy_from_host``); without
-that, a copy holding its payload, with its own small bound (``held_depth``). A plain job is a key and a provider, so the queue can be deep (a depth of 32
-dropped all but the first 32 chunks of a long prompt: other nodes never saw the rest). Bounded
-time: ``find`` costs one in-memory disk check and one Redis pipeline, each Redis call has the
-tier's timeout, and an unavailable tier answers at once.
+that, a copy holding its payload, with its own small bound (``held_depth``). A plain job is a
+key and a provider, so the queue can be deep (a depth of 32 dropped all but the first 32 chunks
+of a long prompt: other nodes never saw the rest). Bounded time: ``find`` costs one in-memory
+disk check and one Redis pipeline, each Redis call has the tier's timeout, and an unavailable
+tier answers at once.
 """
 
 from __future__ import annotations
