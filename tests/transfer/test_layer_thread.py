@@ -70,6 +70,19 @@ def _load(log: list, *, gate: dict[int, threading.Event] | None = None, fail_at:
     return LayeredLoad(mover(), [_Event(log, n) for n in range(LAYERS)], None, ended.append, ahead), ended
 
 
+def _helper_finishes(load: LayeredLoad) -> None:
+    """As ``start_layered`` runs a load: its first layers enqueued here, the rest handed to a
+    helper thread ("helper"), waited for until its job has ended."""
+    load.issue_through(load.ahead)
+    load.helped = True
+    issuer = LayerIssuer("helper")
+    try:
+        issuer.submit(load.issue_rest)
+        assert issuer.drain(10)
+    finally:
+        issuer.close()
+
+
 def _enqueued(log: list) -> list[int]:
     return [step[1] for step in log if step[0] == "enqueued"]
 
@@ -121,14 +134,7 @@ def test_the_helper_makes_the_side_stream_current_once_per_load_and_records_each
             yield layer
 
     load = LayeredLoad(mover(), [Event(n) for n in range(LAYERS)], side, lambda exc: None, 2, use=use)
-    load.issue_through(load.ahead)
-    load.helped = True
-    issuer = LayerIssuer("helper")
-    try:
-        issuer.submit(load.issue_rest)
-        assert issuer.drain(10)
-    finally:
-        issuer.close()
+    _helper_finishes(load)
     assert log == [step for n in range(LAYERS) for step in (("enqueued", n, True), ("recorded", n, True))]
     assert entered == [threading.current_thread().name, "helper"]
     load.issue_through(LAYERS)  # nothing left: no stream context at all
@@ -207,14 +213,7 @@ def test_a_forward_ahead_of_a_helper_not_yet_running_enqueues_for_itself() -> No
 def test_a_helper_that_fails_fails_the_forward_at_the_first_layer_not_enqueued() -> None:
     log: list = []
     load, ended = _load(log, fail_at=5)
-    load.issue_through(load.ahead)
-    load.helped = True
-    issuer = LayerIssuer("helper")
-    try:
-        issuer.submit(load.issue_rest)
-        assert issuer.drain(10)  # the failure is the load's, not a job's error
-    finally:
-        issuer.close()
+    _helper_finishes(load)  # the failure is the load's, not a job's error
     assert _enqueued(log) == [0, 1, 2, 3, 4]
     assert len(ended) == 1 and isinstance(ended[0], RuntimeError)
     stream = _Stream(log)
@@ -242,14 +241,7 @@ def test_a_side_stream_that_cannot_be_made_current_fails_the_load_as_a_failed_en
             yield layer
 
     load = LayeredLoad(mover(), [_Event(log, n) for n in range(LAYERS)], None, ended.append, 2, use=use)
-    load.issue_through(load.ahead)
-    load.helped = True
-    issuer = LayerIssuer("helper")
-    try:
-        issuer.submit(load.issue_rest)
-        assert issuer.drain(10)
-    finally:
-        issuer.close()
+    _helper_finishes(load)
     assert "a layer job failed" not in caplog.text  # the load's failure, not the job's
     assert _enqueued(log) == [0, 1]
     assert len(ended) == 1 and isinstance(ended[0], RuntimeError) and load.fully_issued
