@@ -48,6 +48,7 @@ def test_all_parts_start_and_stop_their_own_redis(tmp_path: Path, monkeypatch: p
     for row in rows[:io]:
         assert row["tier GB/s"] > 0 and row["raw GB/s"] > 0
         assert row["ratio"] == pytest.approx(row["tier GB/s"] / row["raw GB/s"])
+    assert all(r["paired ratio"] > 0 for r in rows[: len(DISK_OPS)])  # each chunk's pair, as well as the medians
     assert [r["streams"] for r in rows[len(DISK_OPS):io]] == [1, 1, 1, 2, 3, 3]
     phases = {r["phase"]: r for r in rows[io:]}
     assert list(phases) == ["recompute", "host-memory hit", "disk hit", "redis hit"]

@@ -166,7 +166,12 @@ def _compare(args: argparse.Namespace, size: int, ops: list[tuple[str, Op, Op, f
     rows = []
     for name, _, _, cpu in ops:
         tier_s, raw_s = (statistics.median(t) for t in times[name])
+        # ratio: of the medians; paired ratio: the median of each chunk's raw/tier, the two calls
+        # made back to back. A virtual disk that runs in phases can put the two medians in
+        # different phases; a pair shares one.
+        paired = statistics.median(r / t for t, r in zip(*times[name], strict=True))
         rows.append({"op": name, "tier GB/s": size / tier_s / 1e9, "raw GB/s": size / raw_s / 1e9, "ratio": raw_s / tier_s,
+                     "paired ratio": paired,
                      "tier ms/chunk": tier_s * 1e3, "raw ms/chunk": raw_s * 1e3, "gap ms": (tier_s - raw_s) * 1e3,
                      "extra CPU ms": cpu, **more})
     return rows
