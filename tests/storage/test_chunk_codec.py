@@ -6,6 +6,7 @@ import struct
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,14 +22,14 @@ def test_header_layout() -> None:
     assert len(head) == codec.HEADER_BYTES == 64
     assert head[:4] == codec.MAGIC and head[8:24] == NS and head[24:40] == KEY
     assert int.from_bytes(head[40:48], "little") == 3
-    assert head[4:8] == bytes([2, 0, 0, 0])  # version 2, flags 0 (Redis values)
+    assert head[4:8] == bytes([3, 0, 0, 0])  # version 3, flags 0 (Redis values)
 
 
 def test_aligned_header_layout() -> None:
     """Disk files: the same header with FLAG_ALIGNED, zeros to 4 KiB, the payload at 4096."""
     head = codec.encode_header(NS, KEY, b"abc", aligned=True)
     assert len(head) == codec.ALIGNED_OFFSET == 4096
-    assert head[4:8] == bytes([2, 0, codec.FLAG_ALIGNED, 0]) and head[64:] == bytes(4096 - 64)
+    assert head[4:8] == bytes([3, 0, codec.FLAG_ALIGNED, 0]) and head[64:] == bytes(4096 - 64)
     header = codec.read_header(head, NS, KEY)
     assert header is not None and (header.offset, header.length) == (4096, 3)
     assert codec.read_header(head[:64], NS, KEY) is None  # the padding is part of the header block
@@ -81,12 +82,47 @@ def _with(obj: bytes, version: int | None = None, flags: int | None = None) -> b
 
 
 def test_other_versions_and_flags_are_refused_before_the_checksum() -> None:
-    """An object of another format version (v1: before the aligned layout) or with an unknown flag
-    is foreign: refused by ``read_header`` itself, never parsed with today's layout."""
+    """An object of another format version (v1: before the aligned layout; v2: one xxh3 pass over
+    the payload) or with an unknown flag is foreign: refused by ``read_header`` itself, never
+    parsed with today's layout."""
     obj = codec.encode(NS, KEY, b"payload")
     aligned = codec.encode_header(NS, KEY, b"payload", aligned=True) + b"payload"
-    for bad in (_with(obj, version=1), _with(obj, version=3), _with(obj, flags=2), _with(aligned, flags=3)):
+    for bad in (_with(obj, version=1), _with(obj, version=2), _with(obj, version=4), _with(obj, flags=2),
+                _with(aligned, flags=3)):
         assert codec.read_header(bad, NS, KEY) is None and codec.decode(bad, NS, KEY) is None
+
+
+def test_a_version_2_object_is_refused_though_its_checksum_holds() -> None:
+    """What version 2 wrote (xxh3_128 over the signed bytes and the payload in one pass) does not
+    pass for version 3 with its version field rewritten: the two checksums differ."""
+    data = bytes(range(256)) * 9
+    obj = bytearray(codec.encode(NS, KEY, data))
+    struct.pack_into("<H", obj, 4, 2)
+    obj[48:64] = xxhash.xxh3_128(bytes(obj[:48]) + data).digest()  # a valid v2 object
+    assert codec.decode(bytes(obj), NS, KEY) is None
+    struct.pack_into("<H", obj, 4, 3)
+    obj[48:64] = xxhash.xxh3_128(bytes(obj[:48]) + data).digest()
+    assert codec.decode(bytes(obj), NS, KEY) is None  # v3's field over a v2 checksum
+
+
+def test_the_checksum_is_over_the_digests_of_the_payloads_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The format's definition, computed here independently: xxh3_128 over the signed header bytes
+    and each ``HASH_BLOCK`` of the payload's xxh3_128 digest, the last block short."""
+    monkeypatch.setattr(codec, "HASH_BLOCK", 64)
+    data = bytes(range(200))
+    head = codec.encode_header(NS, KEY, data)
+    blocks = [data[0:64], data[64:128], data[128:192], data[192:200]]
+    assert head[48:64] == xxhash.xxh3_128(head[:48] + b"".join(xxhash.xxh3_128(b).digest() for b in blocks)).digest()
+    assert codec.block_digests(data) == codec.block_digests(data[:128]) + codec.block_digests(data[128:])
+    header = codec.read_header(head, NS, KEY)
+    assert header is not None
+    digests = codec.block_digests(data)
+    assert codec.verify_digests(header, digests, 200)
+    assert not codec.verify_digests(header, digests[:-16], 200)  # a block missing
+    assert not codec.verify_digests(header, digests[:-16], 192)  # ... and the length short with it
+    assert not codec.verify_digests(header, digests[16:] + digests[:16], 200)  # blocks out of order
+    tagged = codec.read_header(codec.encode_header(NS, KEY, data, tag_key=codec.tag_key("s")), NS, KEY, codec.tag_key("s"))
+    assert tagged is not None and not codec.verify_digests(tagged, digests, 200)  # a tag covers the payload itself
 
 
 def test_identity_checks() -> None:

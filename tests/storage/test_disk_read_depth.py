@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvdepot.keys import ChunkKey
-from kvdepot.storage import disk, disk_io
+from kvdepot.storage import codec, disk, disk_io
 from kvdepot.storage.disk import DiskTier
 
 NS = bytes(range(16))
@@ -191,3 +191,36 @@ def test_a_tier_given_its_own_read_setting_reads_by_it(tmp_path: Path, slow: _Sl
 def test_a_bad_read_setting_is_refused_naming_it(tmp_path: Path, kwargs: dict, named: str) -> None:
     with pytest.raises(ValueError, match=named):
         DiskTier(tmp_path / "disk", 10**8, NS, o_direct=False, **kwargs)
+
+
+def test_a_long_read_hashes_its_pieces_on_the_helpers_and_its_last_piece_small(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each landed piece's checksum blocks go to the helper threads (several may hash at once), and
+    the last piece is read, and so hashed, in ``TAPER`` smaller pieces: what is left to hash after
+    the last read is one small piece."""
+    monkeypatch.setattr(codec, "HASH_BLOCK", disk.ALIGN)
+    piece, n = 4 * disk.ALIGN, 24 * disk.ALIGN
+    hashed: list[tuple[str, int]] = []
+    real = codec.block_digests
+    monkeypatch.setattr(codec, "block_digests", lambda part: hashed.append(
+        (threading.current_thread().name, memoryview(part).nbytes)) or real(part))
+    t = DiskTier(tmp_path / "disk", 10**8, NS, o_direct=False, read_piece=piece)
+    try:
+        assert t.put(ChunkKey(bytes(16)), _payload(6, n))
+        hashed.clear()
+        out = _buffer(n)
+        assert t.get_into(ChunkKey(bytes(16)), out) == n and out == _payload(6, n)
+    finally:
+        t.close()
+    assert all(name.startswith("kvdepot-disk-checksum") for name, _ in hashed)
+    assert [size for _, size in hashed] == [piece] * 5 + [disk.ALIGN] * 4
+
+
+def test_the_read_spans_cover_the_payload_once_tapering_at_the_end() -> None:
+    assert disk_io._spans(32 << 20, 2 << 20) == [(lo, lo + (2 << 20)) for lo in range(0, 30 << 20, 2 << 20)] + [
+        (lo, lo + (512 << 10)) for lo in range(30 << 20, 32 << 20, 512 << 10)]
+    for cut, piece in [(12 * PIECE + 123, PIECE), (9 * disk.ALIGN, 2 * disk.ALIGN), (5 * disk.ALIGN + 1, 8 * disk.ALIGN)]:
+        spans = disk_io._spans(cut, piece)
+        assert spans[0][0] == 0 and spans[-1][1] == cut and all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+        assert all(lo % disk.ALIGN == 0 and 0 < hi - lo <= piece for lo, hi in spans)
