@@ -41,7 +41,7 @@ ALIGN = 4096  # O_DIRECT offset/length/buffer alignment (a multiple of every log
 OFFSET = codec.ALIGNED_OFFSET  # where the payload of every disk object starts (one aligned block)
 OVERLAP = 4 << 20  # a longer payload is checksummed on a helper thread while it is written
 READ_PIECE = 2 << 20  # a longer payload is read in pieces of this size, checksummed as they land
-READ_DEPTH = 4  # pieces of one payload read at once (the disk's queue depth for one read)
+READ_DEPTH = 8  # pieces of one payload read at once (the disk's queue depth for one read; see docs/tiers.md)
 TAPER = 4  # the last READ_PIECE of a long read goes in this many pieces (see ``_spans``)
 CORRUPT, GONE, ERROR = "corrupt", "gone", "error"  # why ``ObjectFiles.read`` found no payload
 
