@@ -224,3 +224,29 @@ def test_the_read_spans_cover_the_payload_once_tapering_at_the_end() -> None:
         spans = disk_io._spans(cut, piece)
         assert spans[0][0] == 0 and spans[-1][1] == cut and all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
         assert all(lo % disk.ALIGN == 0 and 0 < hi - lo <= piece for lo, hi in spans)
+
+
+_A = disk.ALIGN
+
+
+@pytest.mark.parametrize(("n", "where"), [(24 * _A, 0), (24 * _A, 5 * _A + 9), (24 * _A, 21 * _A + 1), (24 * _A, 24 * _A - 1),
+                                          (24 * _A + 123, 24 * _A - 1), (24 * _A + 123, 24 * _A + 50)])
+def test_a_flipped_byte_in_any_piece_or_block_is_a_corrupt_miss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int, where: int
+) -> None:
+    """Hashed block by block on several threads, the checksum still covers every byte: the first
+    piece, a middle one, the tapered last piece's pieces (24 blocks read as 5 pieces of 4, then 4
+    of 1), the last whole block, the partial block after it."""
+    monkeypatch.setattr(codec, "HASH_BLOCK", disk.ALIGN)
+    t = DiskTier(tmp_path / "disk", 10**8, NS, o_direct=False, read_piece=4 * disk.ALIGN)
+    try:
+        key = ChunkKey(bytes(16))
+        assert t.put(key, _payload(7, n))
+        (path,) = [p for p in t.root.rglob("*") if p.is_file() and p.name == key.hex()]
+        raw = bytearray(path.read_bytes())
+        raw[disk.OFFSET + where] ^= 0x10
+        path.write_bytes(raw)
+        assert t.get_into(key, _buffer(n)) is None
+        assert t.stats().corrupt == 1 and not t.contains(key)
+    finally:
+        t.close()
