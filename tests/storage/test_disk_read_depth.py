@@ -213,7 +213,7 @@ def test_a_long_read_hashes_its_pieces_on_the_helpers_and_its_last_piece_small(
         assert t.get_into(ChunkKey(bytes(16)), out) == n and out == _payload(6, n)
     finally:
         t.close()
-    assert all(name.startswith("kvdepot-disk-checksum") for name, _ in hashed)
+    assert all(name.startswith("kvdepot-disk-verify") for name, _ in hashed)  # not the writes' threads
     assert [size for _, size in hashed] == [piece] * 5 + [disk.ALIGN] * 4
 
 

@@ -428,10 +428,9 @@ def test_close_stops_the_helpers_and_the_tier_still_works(tmp_path: Path, monkey
     monkeypatch.setattr(disk_io, "OVERLAP", 2 * disk.ALIGN)
     tier = make(tmp_path, "buffered")
     assert tier.put(key(1), payload(1, 50_000))
-    helpers = tier._io._helpers
-    assert helpers is not None
+    helpers = tier._io._pools["write"]
     tier.close()
-    assert tier._io._helpers is None and helpers._shutdown
+    assert tier._io._pools == {} and helpers._shutdown
     assert tier.put(key(2), payload(2, 50_000)) and tier.get(key(2)) == payload(2, 50_000)
     tier.close()
 

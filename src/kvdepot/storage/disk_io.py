@@ -154,8 +154,7 @@ class ObjectFiles:
         self.read_piece, self.read_depth = read_piece, read_depth
         self._local = threading.local()  # per-thread aligned buffers for O_DIRECT
         self._lock = threading.Lock()
-        self._helpers: ThreadPoolExecutor | None = None  # checksums that overlap writes and reads
-        self._readers: ThreadPoolExecutor | None = None  # the pieces of long reads
+        self._pools: dict[str, ThreadPoolExecutor] = {}  # by kind: see ``_pool``
         self._calls = 0  # reads and writes in progress: ``close`` waits for them
         self._quiet = threading.Condition(self._lock)
 
@@ -173,32 +172,29 @@ class ObjectFiles:
                     self._quiet.notify_all()
 
     def close(self) -> None:
-        """Stop the checksum helpers and readers once the calls in progress have returned (a long
-        read hands its later pieces to the readers as earlier ones land: shut under it, the pool
-        would refuse them); drop this thread's buffers. A later call starts new pools."""
+        """Stop the pools' threads once the calls in progress have returned (a long read hands its
+        later pieces to the readers as earlier ones land: shut under it, the pool would refuse
+        them); drop this thread's buffers. A later call starts new pools."""
         with self._lock:
             self._quiet.wait_for(lambda: not self._calls)
-            pools, self._helpers, self._readers = (self._helpers, self._readers), None, None
+            pools, self._pools = list(self._pools.values()), {}
         for pool in pools:
-            if pool is not None:
-                pool.shutdown(wait=True)
+            pool.shutdown(wait=True)
         for name in ("blocks", "bounce"):
             with suppress(AttributeError):
                 delattr(self._local, name)
 
-    def _helper(self) -> ThreadPoolExecutor:
+    def _pool(self, kind: str) -> ThreadPoolExecutor:
+        """This object's threads of one kind, started on first use: ``write`` (a long write's
+        header checksum), ``read`` (the pieces of long reads), ``verify`` (their checksum blocks).
+        Kept apart so that no kind queues behind another's work: a piece's read behind hashing,
+        a read's blocks behind a write's whole-payload checksum (a promotion waits for those)."""
         with self._lock:
-            if self._helpers is None:
-                self._helpers = ThreadPoolExecutor(4, thread_name_prefix="kvdepot-disk-checksum")
-            return self._helpers
-
-    def _reader(self) -> ThreadPoolExecutor:
-        """Reader threads apart from the checksum helpers: a piece's read never queues behind
-        other payloads' hashing (a long read waits for its pieces in order)."""
-        with self._lock:
-            if self._readers is None:
-                self._readers = ThreadPoolExecutor(4 * (self.read_depth or READ_DEPTH), thread_name_prefix="kvdepot-disk-read")
-            return self._readers
+            pool = self._pools.get(kind)
+            if pool is None:
+                workers = 4 * (self.read_depth or READ_DEPTH) if kind == "read" else 4
+                pool = self._pools[kind] = ThreadPoolExecutor(workers, thread_name_prefix=f"kvdepot-disk-{kind}")
+            return pool
 
     def _blocks(self) -> memoryview:
         """This thread's two aligned blocks: the header block, and the tail of a payload whose
@@ -248,7 +244,7 @@ class ObjectFiles:
         fd = os.open(tmp, flags, 0o600)
         try:
             if n > OVERLAP:
-                header = self._helper().submit(codec.encode_header, self.namespace, key, data, True)
+                header = self._pool("write").submit(codec.encode_header, self.namespace, key, data, True)
             cut = n - n % ALIGN
             if not direct:
                 body = [data]  # one syscall with the header block, no joined copy
@@ -296,7 +292,7 @@ class ObjectFiles:
         head, tail = blocks[:ALIGN], blocks[ALIGN:]
         cut = n - n % ALIGN if direct else n  # O_DIRECT reads the last partial block into ``tail``
         spans = _spans(cut, self.read_piece or READ_PIECE)
-        depth, readers, helpers = self.read_depth or READ_DEPTH, self._reader(), self._helper()
+        depth, readers, helpers = self.read_depth or READ_DEPTH, self._pool("read"), self._pool("verify")
 
         def start(i: int) -> tuple[Future[int], int]:
             lo, hi = spans[i]
