@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers stall pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp goals19 anatomy19
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers stall pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp abdisk goals19 anatomy19
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -116,6 +116,14 @@ for step in $steps; do
         PYTHONPATH=/tmp/site:$tree KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes in-process,mp \
           --lengths ${TTFT_LENGTHS:-16384,32768} 2>&1 | grep -E "^(mode|in-process|mp) "
       done 2>&1 | tee "$OUT/abmp.txt" ;;
+    abdisk) # bench tiers --parts disk, an older tree (OLD_SRC, as for ab19) and this one in alternating processes
+            # (~1.5 min): the get_into / put rows of each (issue 19, fifteenth pass: the checksum over block digests)
+      mkdir -p /tmp/kvd-disk
+      for tree in "${OLD_SRC:?set OLD_SRC to the src dir of an older tree}" src src "$OLD_SRC" "$OLD_SRC" src; do
+        echo "## $tree"
+        PYTHONPATH=/tmp/site:$tree python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk --reps 3 \
+          2>&1 | grep -E "^(tier|disk +(put / write|get_into))"
+      done 2>&1 | tee "$OUT/abdisk.txt" ;;
     uva|hybrid|batch) echo "step $step was retired with tools/uva_probe.py (issue 15): see docs/perf-notes.md" ;;
     *) echo "unknown step $step" ;;
   esac
