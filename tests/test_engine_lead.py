@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvdepot import engine as engine_module
 from kvdepot import engine_loads
 from kvdepot.config import DepotConfig
 from kvdepot.engine import CacheEngine
@@ -343,6 +344,50 @@ def test_a_store_books_the_chunks_past_its_lead_only_once_the_lead_is_enqueued(m
     expect[src] = stored
     assert torch.equal(rows, expect)
     _idle(engine)
+
+
+def test_a_stores_lead_is_enqueued_before_the_store_is_tracked(make, monkeypatch):
+    """What the store needs only later (its record in the FIFO, its commit, the move over its
+    other chunks) is made while the lead copies, not before it (issue 19, sixteenth pass)."""
+    engine, rows = make(lead=2)
+    gather, seen = engine.mover.gather_many, []
+
+    def watched(views, copies):
+        seen.append((len(copies), len(engine._transfers.inflight)))  # white box: the FIFO
+        gather(views, copies)
+
+    monkeypatch.setattr(engine.mover, "gather_many", watched)
+    assert engine.store(_keys(engine), _ids(1)).chunks == 3
+    engine.wait_all()
+    assert seen[0] == (1, 0)  # the lead (one chunk's part), before the store was tracked
+    _round_trip(engine, rows, 700)
+
+
+@pytest.mark.parametrize("where", ["lead", "after-lead"])
+def test_a_store_that_fails_around_its_lead_caches_nothing_and_leaks_nothing(make, monkeypatch, where):
+    """The lead's copies cannot be enqueued (``lead``), or the store stops between its lead and
+    its hand-off (``after-lead``: an interrupt there): the error reaches the caller, the lead's
+    slot is freed once its copies have run, and the next store's head is the caller's again
+    (no store counted as queued for the issuer)."""
+    engine, rows = make(lead=2)
+    if where == "lead":
+        def refuse(views, copies):
+            raise RuntimeError("injected: the driver refused the lead")
+
+        monkeypatch.setattr(engine.mover, "gather_many", refuse)
+    else:
+        def interrupted(make_move):
+            raise RuntimeError("injected: stopped after the lead")
+
+        monkeypatch.setattr(engine_module, "LateMove", interrupted)
+    keys = _keys(engine, 2000)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.store(keys, _ids(3))
+    _idle(engine)
+    assert [engine.host.present(k) for k in keys] == [False] * 3 and engine.host.stats().used_bytes == 0
+    assert engine._transfers._queued == 0  # white box: an idle issuer, as before the store
+    monkeypatch.undo()
+    _round_trip(engine, rows, 800)
 
 
 @pytest.mark.parametrize(("pos", "kept"), [(1, [True, True, True]), (7, [False, True, True])], ids=["in-lead", "past-lead"])

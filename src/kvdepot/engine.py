@@ -278,12 +278,6 @@ class CacheEngine(PoolsOwner):
             booked, first = self._book(keys, first, len(keys)), len(keys)
         stored = [keys[c] for c, _ in booked]
 
-        def commit() -> None:
-            self.host.commit_many(stored, True)
-            if self.lower is not None:  # never blocks: a full queue drops and counts
-                for key in stored:
-                    self.lower.write_behind(key, self._provider(key))
-
         def rollback() -> None:
             self.host.commit_many(stored, False)
 
@@ -303,22 +297,34 @@ class CacheEngine(PoolsOwner):
             with self._lock:
                 rollback()
             raise
-        if first < len(keys):
-            whole_list = check
-
-            def check_then_book() -> None:  # while the lead copies; a bad id books nothing more
-                whole_list()  # type: ignore[misc]
-                more = self._book(keys, first, len(keys))
-                booked.extend(more)
-                stored.extend(keys[c] for c, _ in more)
-                rest.extend(ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot) for c, slot in more)
-
-            check = check_then_book
         views, mover = self._views, self.mover
-        token = self._transfers.store(LateMove(lambda: mover.prepare_gather(views, rest)), commit, rollback, stream,
-                                      lead=mover.prepare_gather(views, lead) if lead else None,
-                                      lead_bytes=sum(len(c.block_ids) for c in lead) * self.layout.bytes_per_block,
-                                      check=check)
+        # The lead goes first; what follows is built while it copies (``open_store``).
+        start = self._transfers.open_store(stream, mover.prepare_gather(views, lead) if lead else None, rollback)
+
+        try:
+            def commit() -> None:
+                self.host.commit_many(stored, True)
+                if self.lower is not None:  # never blocks: a full queue drops and counts
+                    for key in stored:
+                        self.lower.write_behind(key, self._provider(key))
+
+            if first < len(keys):
+                whole_list = check
+
+                def check_then_book() -> None:  # while the lead copies; a bad id books nothing more
+                    whole_list()  # type: ignore[misc]
+                    more = self._book(keys, first, len(keys))
+                    booked.extend(more)
+                    stored.extend(keys[c] for c, _ in more)
+                    rest.extend(ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot) for c, slot in more)
+
+                check = check_then_book
+            move = LateMove(lambda: mover.prepare_gather(views, rest))
+            lead_bytes = sum(len(c.block_ids) for c in lead) * self.layout.bytes_per_block
+        except BaseException:  # an interrupt: the store never reaches the tracker
+            self._transfers.abandon(start)
+            raise
+        token = self._transfers.store(start, move, commit, lead_bytes=lead_bytes, check=check)
         with self._lock:
             self._stats.stored_chunks += len(booked)
             self._stats.bytes_stored += len(booked) * bpc * self.layout.bytes_per_block
