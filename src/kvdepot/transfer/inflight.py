@@ -234,9 +234,6 @@ class InflightTransfers:
         if self.streams is None:
             return self._inline(_steps(check, lead and lead.rest, move.rest), on_done, on_fail)
         side, started = start.side, start.started
-        transfer = _Transfer(next(self._tokens), on_done, on_fail)
-        with self._lock:
-            self.inflight.append(transfer)
         ready = None
         try:
             if not start.head:
@@ -244,18 +241,12 @@ class InflightTransfers:
                 ready.record(start.caller)
             if check is not None:
                 check()
-        except BaseException:
-            if started:  # the lead's copies may still land in the slots: they are freed after them
-                transfer.failed = True
-                transfer.event = self._after_enqueued(side)
-            transfer.issued.set()
-            with self._handoff:
-                self._queued -= 1
-            with self._lock:
-                if not started:  # nothing enqueued: take the store back
-                    self.inflight.remove(transfer)
-                    transfer.on_fail()
+        except BaseException:  # the lead's copies, if any went, may still land: freed after them
+            self.abandon(start)
             raise
+        transfer = _Transfer(next(self._tokens), on_done, on_fail)
+        with self._lock:
+            self.inflight.append(transfer)
         if start.head and self.head_bytes > lead_bytes:
             with self.kit.use(side):
                 move.head(self.head_bytes - lead_bytes)  # never raises: ``rest`` does, on the issuer
