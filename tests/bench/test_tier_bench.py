@@ -182,3 +182,12 @@ def test_an_unknown_part_is_refused_with_the_allowed_ones(tmp_path: Path) -> Non
     with pytest.raises(SystemExit, match=r"--parts: unknown \['stal'\]; allowed: disk, redis, ttft, stall"):
         tiers.run(bench_args("--parts", "disk,stal", "--disk-path", str(tmp_path)))
     assert list(tmp_path.iterdir()) == []  # refused before anything was made
+
+
+def test_the_stall_loop_takes_an_op_even_when_the_writes_are_already_done() -> None:
+    """Writes that end before the loop starts (tiny chunks, a fast disk) once gave a run of 0 ops
+    in 0 seconds, and the row's rate divided by zero."""
+    from kvdepot.bench import write_stall
+
+    run = write_stall._loop(lambda: True)
+    assert run.ops == 1 and run.seconds > 0

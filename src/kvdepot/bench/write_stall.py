@@ -113,11 +113,12 @@ def _alone() -> LoopRun:
 
 
 def _loop(done: Callable[[], bool]) -> LoopRun:
-    """A loop of small in-place adds until ``done()``."""
+    """A loop of small in-place adds until ``done()``, at least one: writes that end before the
+    loop's first op (tiny chunks on a fast disk) would leave a run of 0 ops in 0 seconds."""
     x = torch.zeros(4096)
     ops, gaps, longest = 0, [], 0.0
     start = last = time.perf_counter()
-    while not done():
+    while not ops or not done():
         x.add_(1.0)
         now = time.perf_counter()
         gap = now - last
