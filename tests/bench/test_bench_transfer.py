@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
+import sys
 import time
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from kvdepot.bench import bookkeeping, dma_ceiling, transfer
-from kvdepot.bench.common import paired_seconds
+from kvdepot.bench.common import host_python_us, paired_seconds
 from kvdepot.transfer.plan import CopyList
 
 
@@ -22,13 +24,25 @@ def _args(module, *argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_bench_transfer_measures_each_batch_variant_in_one_run(kvdepot_env_cleared):
+def test_bench_transfer_measures_each_batch_variant_in_one_run(kvdepot_env_cleared, capsys):
     rows = transfer.run(_args(transfer, "--device", "cpu", "--mover", "batch", "--tokens", "256", "--reps", "2", "--layers", "2",
                               "--store-head-mib", "0,4", "--lanes", "1,2"))
     movers = ["batch head 0 lanes 1", "batch head 0 lanes 2", "batch head 4 lanes 1", "batch head 4 lanes 2"]
     assert [r["mover"] for r in rows] == [m for m in movers for _ in range(4)]
     assert [r["op"] for r in rows[:4]] == ["store", "2 stores at once", "retrieve", "lookup + retrieve"]
     assert all(r["ratio"] > 0 and r["call us"] > 0 for r in rows)
+    assert re.search(r"kvdepot bench transfer — cpu; host Python \d+ us per reference loop", capsys.readouterr().out)
+
+
+def test_the_host_python_figure_follows_the_speed_of_python():
+    """Python slowed by a trace function (every line reported) reads as a slower host."""
+    plain, before = host_python_us(), sys.gettrace()
+    sys.settrace(lambda *_: (lambda *_: None))
+    try:
+        traced = host_python_us()
+    finally:
+        sys.settrace(before)
+    assert traced > 1.5 * plain > 0
 
 
 def test_bench_transfer_anatomy_is_cuda_only_and_leaves_the_rows_alone_on_cpu(kvdepot_env_cleared):

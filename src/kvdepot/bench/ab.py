@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvdepot.bench.common import Memcpy, device_name, paired_seconds
+from kvdepot.bench.common import Memcpy, device_name, host_python_us, paired_seconds
 from kvdepot.bench.report import Report, add_output_arguments
 
 OPS = ("store", "retrieve", "both")
@@ -138,7 +138,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             if into in sys.path:
                 sys.path.remove(into)  # the copy goes with the directory
     report.table(f"kvdepot bench ab — {device_name(device)}; {nbytes / 2**20:.0f} MiB per op, {args.rounds} rounds, "
-                 f"{args.first} built first; ratio = memcpy seconds / op seconds, paired", op=10)
+                 f"{args.first} built first; ratio = memcpy seconds / op seconds, paired; host Python "
+                 f"{host_python_us():.0f} us per reference loop", op=10)
     for op in ops:
         new, old = ratios[("new", op)], ratios[("old", op)]
         report.add({"op": op, "old ratio": statistics.median(old), "new ratio": statistics.median(new),

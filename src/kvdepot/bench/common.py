@@ -291,3 +291,25 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return "cpu"
+
+
+def host_python_us(reps: int = 7) -> float:
+    """Median microseconds of a fixed piece of plain Python on this host (a dict filled and
+    emptied: the kind of work an operation's bookkeeping does), printed beside the rows whose
+    figure the host's Python sets: a small block's idle-GPU store waits ~75 µs of it before its
+    first copy. On one H100 host every step of that lead took twice as long as on another, with
+    or without DMA before it (issue 19, seventeenth pass), so a row is read against this."""
+
+    def reference() -> None:
+        table: dict[int, tuple[int, int]] = {}
+        for i in range(2000):
+            table[i] = (i, 3 * i)
+        for i in range(2000):
+            table.pop(i)
+
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        reference()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6

@@ -27,6 +27,7 @@ from kvdepot.bench.common import (
     compute_share,
     device_name,
     gpu_timeline,
+    host_python_us,
     paired_seconds,
     sync,
 )
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     bars=Bars(("mover", "op"), ("GB/s", "memcpy GB/s"), "GB/s"), name="bench transfer")
     if device.type != "cuda":
         report.note("(CPU: the both-directions rows and the compute-share row need two copy engines and SMs; not measured)")
-    report.table(f"kvdepot bench transfer — {device_name(device)}", mover=22, op=29)
+    report.table(f"kvdepot bench transfer — {device_name(device)}; host Python {host_python_us():.0f} us per reference loop",
+                 mover=22, op=29)
     parts = [(_label(name, variant), _run_one(args, name, report, variant)) for name, variant in runs]
     for key, title in (("timeline", "timeline of one call (ms; --timeline)"),
                        ("anatomy", f"anatomy of a call (us, medians of {args.reps}; --anatomy)")):
