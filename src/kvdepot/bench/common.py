@@ -307,9 +307,4 @@ def host_python_us(reps: int = 7) -> float:
         for i in range(2000):
             table.pop(i)
 
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        reference()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_seconds(reference, torch.device("cpu"), reps, warmup=0) * 1e6

@@ -88,11 +88,9 @@ for step in $steps; do
              # alternating processes (~3 min): the effect reads in 'hit: before ms' (the server inherits the variable)
       for ahead in default ${MP_AHEAD:-1} default ${MP_AHEAD:-1}; do
         echo "## load_layers_ahead $ahead"
-        if [ "$ahead" = default ]; then env -u KVDEPOT_LOAD_LAYERS_AHEAD KVDEPOT_HOST_CAPACITY_GB=48 \
-             python3 -m kvdepot.cli bench ttft --modes mp --lengths 4096 --rounds 2 --repeats 3 --miss-prompts 1
-        else KVDEPOT_LOAD_LAYERS_AHEAD=$ahead KVDEPOT_HOST_CAPACITY_GB=48 \
-             python3 -m kvdepot.cli bench ttft --modes mp --lengths 4096 --rounds 2 --repeats 3 --miss-prompts 1
-        fi 2>&1 | grep -E "^(mode|mp) "
+        setting=(-u KVDEPOT_LOAD_LAYERS_AHEAD); [ "$ahead" = default ] || setting=(KVDEPOT_LOAD_LAYERS_AHEAD="$ahead")
+        env "${setting[@]}" KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes mp --lengths 4096 \
+          --rounds 2 --repeats 3 --miss-prompts 1 2>&1 | grep -E "^(mode|mp) "
       done 2>&1 | tee "$OUT/mpahead.txt" ;;
     firsthit19) # whose is the first hit's toll: the engine's warm-up on/off (a process each), then off with
                 # every kernel loaded at start (CUDA_MODULE_LOADING=EAGER): gone there = lazy kernel loading
