@@ -108,6 +108,34 @@ def test_reply_comes_before_the_last_layer_and_the_issuer_only_enqueues_the_rest
         issuer.close()
 
 
+def test_without_first_the_reply_comes_before_any_layer_and_the_issuer_enqueues_them_all():
+    """A client that reads the progress page is answered before layer 0 is enqueued (``first``
+    False): the issuer enqueues every layer, and the client still waits for each one to be
+    recorded, layer 0 included."""
+    log: list = []
+    load = ScriptedLoad(log, hold_at=0)
+    issuer = LayerIssuer("test-layers")
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            progress = LayerProgress(1, LAYERS)
+            ended: list[int] = []
+            start_early(load, progress, issuer, lambda layer: None, None, lambda: ended.append(1), first=False)
+            assert progress.recorded == 0  # what the reply carries: nothing recorded yet
+            follow = _client(progress, pool)
+            waiting = pool.submit(follow.through, 0)
+            assert load.held.wait(5)  # the issuer is at layer 0's enqueue, held there
+            time.sleep(0.05)
+            assert not waiting.done() and log == []  # layer 0 not enqueued: the client must not go on
+            load.gate.set()
+            waiting.result(5)
+            assert issuer.drain(5) and ended == [1]
+            assert log == [("a", "enqueue", layer) for layer in range(LAYERS)]
+            assert progress.recorded == LAYERS and not progress.failed
+        finally:
+            load.gate.set()
+            issuer.close()
+
+
 def test_the_client_waits_for_each_layer_until_the_server_recorded_it():
     log: list = []
     load = ScriptedLoad(log, hold_at=5)

@@ -80,9 +80,11 @@ class SimulatedService(DepotService):
         session = self._session(peer)
         load = LayeredLoad(self._issue(), [_Event() for _ in range(self.layers)], None, lambda exc: None, self.ahead,
                            on_layer=lambda layer, _side: self._record(layer))
-        load.issue_through(self.ahead)  # as the engine does when it makes the load
-        progress = LayerProgress(next(self.ids), self.layers, msg.deadline_ns, self.pages.get(session.sid))
-        start_early(load, progress, self.issuer, self._record, _Stream(), lambda: None)
+        # As the service does: the engine enqueues nothing of a signalled load, the reply goes
+        # before layer 0 where the client reads a page (``layer_progress.start_early``)
+        page = self.pages.get(session.sid)
+        progress = LayerProgress(next(self.ids), self.layers, msg.deadline_ns, page)
+        start_early(load, progress, self.issuer, self._record, _Stream(), lambda: None, first=page is None)
         self.layer_loads.add(session.sid, progress)
         return p.RetrieveReply(0, 0, True, progress.load_id, progress.recorded), []
 

@@ -14,7 +14,7 @@ hold the GIL (address lists) and the rest sleeps (``cuMemcpyBatchAsync``):
                  forward's thread: config ``load_layer_thread: false``)
     mp-rpc       a server subprocess (``hooks_server``: the real loop, LAYERS handler, issuer and
                  ``start_early``) answers the load after layer 0 and records the rest on its
-                 issuer; each hook waits as ``RemoteProgress`` does with LAYERS (config
+                 issuer (mp-page: before layer 0, every layer on the issuer); each hook waits as ``RemoteProgress`` does with LAYERS (config
                  ``layer_progress: rpc``)
     mp-page      the same server, the hooks reading the registration's progress page (``auto``)
 
@@ -128,7 +128,7 @@ def _forward(us: float, launches: int) -> None:
 
 
 def _pace(stamps: np.ndarray) -> float:
-    """ns per layer between the records of layers 1 and L-1 (layer 0's precedes the reply in MP)."""
+    """ns per layer between the records of layers 1 and L-1 (layer 0's may precede the reply in MP)."""
     return float(stamps[-1] - stamps[1]) / (len(stamps) - 2)
 
 

@@ -3,8 +3,9 @@
 Why: enqueueing a layer's copies costs the server ~0.5 ms of host time at 1024 blocks (an 8B
 model at 32K tokens: ~16 ms for 32 layers). Recorded in full before the reply, that time sat
 in front of the client's forward (server-mode TTFT 24% above in-process at 32K). Now the server
-records layer 0's event (when its shard's issuer is idle), replies, and its ``LayerIssuer``
-thread enqueues and records the rest; the client's forward runs meanwhile.
+replies and its ``LayerIssuer`` thread enqueues and records every layer while the client's
+forward runs (``start_early``; layer 0 before the reply only where the client has no progress
+page to learn of it from).
 
 The one hazard: ``cudaStreamWaitEvent`` waits for an event's *latest* record. A wait enqueued
 before the server recorded layer ``l`` for this load would wait for the previous load's record
@@ -169,12 +170,19 @@ def _fence(load: LayerWaits, progress: LayerProgress, record: Callable[[int], No
 
 def start_early(load: LayerWaits, progress: LayerProgress, issuer: LayerIssuer, record: Callable[[int], None],
                 stream: object, on_end: Callable[[], None],
-                context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
-    """Answer ``load`` early (call under the shard's lock, so ``issuer.idle`` stays true): layer 0
-    is recorded now if no earlier load's layers wait in ``issuer`` (else it too is left to the
-    issuer, behind them), the rest are queued; ``on_end`` runs once the job ends, however it ends.
-    A failure to record layer 0 here raises, and nothing is queued (``on_end`` is the caller's)."""
-    if issuer.idle:
+                context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext, *,
+                first: bool = True) -> None:
+    """Answer ``load`` early (call under the shard's lock, so ``issuer.idle`` stays true): with
+    ``first``, layer 0 is recorded now if no earlier load's layers wait in ``issuer`` (else it too
+    is left to the issuer, behind them); the rest are queued. ``on_end`` runs once the job ends,
+    however it ends. A failure to record layer 0 here raises, and nothing is queued (``on_end`` is
+    the caller's).
+
+    ``first=False`` (a client that reads the progress page): every layer is left to the issuer.
+    The copies start as soon either way, and the reply no longer waits for layer 0's enqueue: the
+    client's forward learns of layer 0 from the page, for free. Without a page it would ask
+    LAYERS, a round trip, before its first layer."""
+    if first and issuer.idle:
         try:
             load.enqueue_through(0)
         except BaseException as exc:

@@ -294,8 +294,9 @@ class DepotService:
 
     def _answer_early(self, session: Session, reg: Registration, load: LayerWaits,
                       admission: Admission) -> tuple[int, int]:
-        """Record what can be now, leave the rest to the shard's issuer (``layer_progress``): the
-        reply goes before the load's later layers are enqueued. Runs under the shard's lock."""
+        """Leave the load's layers to the shard's issuer (``layer_progress``): the reply goes
+        before they are enqueued (all of them where the client reads the progress page, else all
+        but layer 0). Runs under the shard's lock."""
         pool = reg.pool
 
         def end() -> None:
@@ -304,7 +305,7 @@ class DepotService:
 
         progress = LayerProgress(next(self._load_ids), load.num_layers, admission.deadline_ns, pool.progress)
         start_early(load, progress, reg.shard.issuer, pool.record_layer, pool.stream, end,
-                    lambda: _device(pool.tensor))  # type: ignore[arg-type]
+                    lambda: _device(pool.tensor), first=pool.progress is None)  # type: ignore[arg-type]
         self.layer_loads.add(session.sid, progress)
         return progress.load_id, progress.recorded
 

@@ -323,7 +323,10 @@ class InflightTransfers:
         failure to enqueue at all reaches the caller, and the rest by the layer thread (with
         ``layer_thread``) or by the waits. ``stream`` is not made to wait.
         ``on_layer``: see ``LayeredLoad`` (a server's signal of each layer, on the copy stream);
-        such a load is left to its caller's thread (a server's ``LayerIssuer``) and the waits."""
+        such a load is left to its caller (a server: its handler or its ``LayerIssuer``, which
+        runs in the server's process beside the client's forward) and nothing is enqueued here:
+        layers enqueued before a server's reply only delay the client's forward (issue 19,
+        eighteenth pass: ~0.45 ms at 4K tokens of an 8B model, ~2 ms at 32K)."""
         assert self.streams is not None
         caller = stream if stream is not None else self.kit.current(self.streams[0].device)
         side = self.side_stream(False, caller)
@@ -349,7 +352,7 @@ class InflightTransfers:
         load = LayeredLoad(iter(layers), events, side, issued, self.layers_ahead, on_layer, self.kit.use)
         with self._lock:
             self._layered.add(load)
-        load.issue_through(self.layers_ahead)
+        load.issue_through(0 if on_layer is not None else self.layers_ahead)
         if self.layer_thread and on_layer is None and not load.fully_issued:
             with self._lock:
                 if self._layer_issuer is None:
