@@ -74,7 +74,7 @@ for step in $steps; do
       for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "--layers 16 --head-dim 64 --tokens-per-block 8"; do
         procs=1; [ "$shape" = "--layers 16 --head-dim 64 --tokens-per-block 8" ] && procs=${SMALL_PROCS:-3}
         for _ in $(seq "$procs"); do
-          python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 $shape 2>&1 | grep -E "^batch"
+          python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 $shape 2>&1 | grep -E "^(kvdepot bench|batch)"
         done
       done 2>&1 | tee "$OUT/goals19_transfer.txt"
       KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes in-process,mp --lengths 4096,16384,32768 \
