@@ -1,7 +1,7 @@
 """CUDA IPC: a pool from a raw cudaMalloc (what TensorRT-LLM's pool is), registered by IPC handle,
 stored and loaded by the server — whole, and layer by layer with a layer event each — bit-exact
-across processes, ordered by interprocess events. A load by layer is answered early (after layer
-0 of 8; layers 5.. are enqueued after the reply, ``server/layer_progress.py``), and two of them
+across processes, ordered by interprocess events. A load by layer is answered early (before its
+8 layers are enqueued, or after layer 0 without a progress page: ``server/layer_progress.py``), and two of them
 back to back (the second queued behind the first on the shard's issuer) are bit-exact too; the
 forward learns of each layer from the progress page (no LAYERS call), or by LAYERS with
 ``layer_progress: rpc``."""
@@ -63,8 +63,8 @@ with torch.cuda.stream(stream):
         handle = remote.retrieve_async(keys, dst, lease=1, stream=stream, by_layer=True)
         end = handle.result()
         assert handle.layered is not None and handle.layered.num_layers == SHAPE[1], handle.layered
-        # Answered before the last layer's event was recorded (so before layers 5.. were enqueued:
-        # the engine enqueues 4 ahead of the one waited for).
+        # Answered before the last layer's event was recorded (the server's issuer enqueues the
+        # layers after the reply: all of them with a page, all but layer 0 with layer_progress rpc).
         assert handle.layered.ready_at_reply < SHAPE[1], handle.layered.ready_at_reply
         second = None
         if role == "layered2":                        # a second load before the first is waited for
