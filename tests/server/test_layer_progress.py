@@ -136,6 +136,32 @@ def test_without_first_the_reply_comes_before_any_layer_and_the_issuer_enqueues_
             issuer.close()
 
 
+def test_layer_0_that_fails_before_the_reply_raises_there_and_after_it_fails_the_client_s_first_wait():
+    """``first``: layer 0 fails in the handler (an error reply; nothing queued, the load abandoned,
+    ``on_end`` the caller's). Without it the issuer meets the failure: fenced, and the client's
+    wait for layer 0 raises."""
+    issuer = LayerIssuer("test-layers")
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            load = ScriptedLoad([], fail_at=0)
+            progress, ended = LayerProgress(1, LAYERS), []
+            with pytest.raises(TransferFailed):
+                start_early(load, progress, issuer, lambda layer: None, None, lambda: ended.append(1))
+            assert load.abandoned is not None and issuer.idle and ended == [] and progress.recorded == 0
+            log: list = []
+            load = ScriptedLoad(log, fail_at=0)
+            progress, ended = LayerProgress(2, LAYERS), []
+            start_early(load, progress, issuer, lambda layer: log.append(("record", layer)), None,
+                        lambda: ended.append(1), first=False)
+            assert issuer.drain(5) and ended == [1] and load.abandoned is not None
+            assert progress.failed and progress.fenced and progress.recorded == 0
+            assert log == [("a", "fence", None)] + [("record", layer) for layer in range(LAYERS)]
+            with pytest.raises(TransferFailed):
+                _client(progress, pool).through(0)
+        finally:
+            issuer.close()
+
+
 def test_the_client_waits_for_each_layer_until_the_server_recorded_it():
     log: list = []
     load = ScriptedLoad(log, hold_at=5)
