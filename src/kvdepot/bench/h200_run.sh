@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers stall pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp abdisk goals19 anatomy19 mpahead
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers stall pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp abdisk goals19 anatomy19
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -84,14 +84,6 @@ for step in $steps; do
         | tee "$OUT/goals19_firsthit.txt" | tail -7
       mkdir -p /tmp/kvd-disk
       python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/goals19_disk.txt" | tail -6 ;;
-    mpahead) # MP's 4K hit, the server enqueueing MP_AHEAD layers before its early reply against its default (4),
-             # alternating processes (~3 min): the effect reads in 'hit: before ms' (the server inherits the variable)
-      for ahead in default ${MP_AHEAD:-1} default ${MP_AHEAD:-1}; do
-        echo "## load_layers_ahead $ahead"
-        setting=(-u KVDEPOT_LOAD_LAYERS_AHEAD); [ "$ahead" = default ] || setting=(KVDEPOT_LOAD_LAYERS_AHEAD="$ahead")
-        env "${setting[@]}" KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes mp --lengths 4096 \
-          --rounds 2 --repeats 3 --miss-prompts 1 2>&1 | grep -E "^(mode|mp) "
-      done 2>&1 | tee "$OUT/mpahead.txt" ;;
     firsthit19) # whose is the first hit's toll: the engine's warm-up on/off (a process each), then off with
                 # every kernel loaded at start (CUDA_MODULE_LOADING=EAGER): gone there = lazy kernel loading
       { python3 -m kvdepot.cli bench firsthit --length 4096 --hits 4
