@@ -14,9 +14,10 @@ hold the GIL (address lists) and the rest sleeps (``cuMemcpyBatchAsync``):
                  forward's thread: config ``load_layer_thread: false``)
     mp-rpc       a server subprocess (``hooks_server``: the real loop, LAYERS handler, issuer and
                  ``start_early``) answers the load after layer 0 and records the rest on its
-                 issuer (mp-page: before layer 0, every layer on the issuer); each hook waits as ``RemoteProgress`` does with LAYERS (config
+                 issuer; each hook waits as ``RemoteProgress`` does with LAYERS (config
                  ``layer_progress: rpc``)
-    mp-page      the same server, the hooks reading the registration's progress page (``auto``)
+    mp-page      the same server, the hooks reading the registration's progress page (``auto``);
+                 the server answers before layer 0 and records every layer on its issuer
 
 Per row (medians over ``--loads`` loads): ``start ms`` (asking for the load to the forward's
 first hook: in-process the first ``--ahead`` layers' issue, MP the RETRIEVE round trip), ``hooks

@@ -179,7 +179,7 @@ def start_early(load: LayerWaits, progress: LayerProgress, issuer: LayerIssuer, 
     the caller's).
 
     ``first=False`` (a client that reads the progress page): every layer is left to the issuer.
-    The copies start as soon either way, and the reply no longer waits for layer 0's enqueue: the
+    The copies start as early either way, and the reply no longer waits for layer 0's enqueue: the
     client's forward learns of layer 0 from the page, for free. Without a page it would ask
     LAYERS, a round trip, before its first layer."""
     if first and issuer.idle:
