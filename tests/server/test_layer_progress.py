@@ -108,18 +108,28 @@ def test_reply_comes_before_the_last_layer_and_the_issuer_only_enqueues_the_rest
         issuer.close()
 
 
-def test_without_first_the_reply_comes_before_any_layer_and_the_issuer_enqueues_them_all():
-    """A client that reads the progress page is answered before layer 0 is enqueued (``first``
-    False): the issuer enqueues every layer, and the client still waits for each one to be
-    recorded, layer 0 included."""
+class _Page:
+    """A progress page stand-in: what ``LayerProgress`` writes to it, in order."""
+
+    def __init__(self) -> None:
+        self.words: list[tuple] = []
+
+    def write(self, *word: object) -> None:
+        self.words.append(word)
+
+
+def test_with_a_page_the_reply_comes_before_any_layer_and_the_issuer_enqueues_them_all():
+    """A client that reads the progress page is answered before layer 0 is enqueued: the issuer
+    enqueues every layer, and the client still waits for each one to be recorded, layer 0
+    included."""
     log: list = []
     load = ScriptedLoad(log, hold_at=0)
     issuer = LayerIssuer("test-layers")
     with ThreadPoolExecutor(2) as pool:
         try:
-            progress = LayerProgress(1, LAYERS)
+            progress = LayerProgress(1, LAYERS, page=_Page())  # type: ignore[arg-type]
             ended: list[int] = []
-            start_early(load, progress, issuer, lambda layer: None, None, lambda: ended.append(1), first=False)
+            start_early(load, progress, issuer, lambda layer: None, None, lambda: ended.append(1))
             assert progress.recorded == 0  # what the reply carries: nothing recorded yet
             follow = _client(progress, pool)
             waiting = pool.submit(follow.through, 0)
@@ -137,8 +147,8 @@ def test_without_first_the_reply_comes_before_any_layer_and_the_issuer_enqueues_
 
 
 def test_layer_0_that_fails_before_the_reply_raises_there_and_after_it_fails_the_client_s_first_wait():
-    """``first``: layer 0 fails in the handler (an error reply; nothing queued, the load abandoned,
-    ``on_end`` the caller's). Without it the issuer meets the failure: fenced, and the client's
+    """No page: layer 0 fails in the handler (an error reply; nothing queued, the load abandoned,
+    ``on_end`` the caller's). With one the issuer meets the failure: fenced, and the client's
     wait for layer 0 raises."""
     issuer = LayerIssuer("test-layers")
     with ThreadPoolExecutor(2) as pool:
@@ -150,9 +160,9 @@ def test_layer_0_that_fails_before_the_reply_raises_there_and_after_it_fails_the
             assert load.abandoned is not None and issuer.idle and ended == [] and progress.recorded == 0
             log: list = []
             load = ScriptedLoad(log, fail_at=0)
-            progress, ended = LayerProgress(2, LAYERS), []
+            progress, ended = LayerProgress(2, LAYERS, page=_Page()), []  # type: ignore[arg-type]
             start_early(load, progress, issuer, lambda layer: log.append(("record", layer)), None,
-                        lambda: ended.append(1), first=False)
+                        lambda: ended.append(1))
             assert issuer.drain(5) and ended == [1] and load.abandoned is not None
             assert progress.failed and progress.fenced and progress.recorded == 0
             assert log == [("a", "fence", None)] + [("record", layer) for layer in range(LAYERS)]

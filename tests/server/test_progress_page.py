@@ -303,17 +303,20 @@ def test_the_page_serves_a_real_servers_follower(pages):
     page written too: the follower reads the page and never asks."""
     client, server = pages
     log: list = []
-    load = ScriptedLoad(log)
+    load = ScriptedLoad(log, hold_at=0)
     issuer = LayerIssuer("test-layers")
     with ThreadPoolExecutor(2) as pool:
         try:
             progress = LayerProgress(11, LAYERS, page=server)
             start_early(load, progress, issuer, lambda layer: None, None, lambda: None)
+            assert load.held.wait(5) and progress.recorded == 0  # with a page: answered before layer 0
             follow = _client(progress, pool)
-            assert follow.asked == [1]  # without a page: one LAYERS call ahead from the start
+            assert follow.asked == [0]  # without a page: one LAYERS call ahead from the start
             paged = RemoteProgress(lambda through: pool.submit(lambda: None), progress.recorded, LAYERS, 2.0,
                                    Watch(client, 11, time.monotonic_ns() + 10**10))
+            load.gate.set()
             paged.through(LAYERS - 1)
             assert paged.stats.asks == 0
         finally:
+            load.gate.set()
             issuer.close()

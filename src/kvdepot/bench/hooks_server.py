@@ -80,11 +80,10 @@ class SimulatedService(DepotService):
         session = self._session(peer)
         load = LayeredLoad(self._issue(), [_Event() for _ in range(self.layers)], None, lambda exc: None, self.ahead,
                            on_layer=lambda layer, _side: self._record(layer))
-        # As the service does: the engine enqueues nothing of a signalled load, the reply goes
+        # As the service does: the engine enqueues nothing of a signalled load, and the reply goes
         # before layer 0 where the client reads a page (``layer_progress.start_early``)
-        page = self.pages.get(session.sid)
-        progress = LayerProgress(next(self.ids), self.layers, msg.deadline_ns, page)
-        start_early(load, progress, self.issuer, self._record, _Stream(), lambda: None, first=page is None)
+        progress = LayerProgress(next(self.ids), self.layers, msg.deadline_ns, self.pages.get(session.sid))
+        start_early(load, progress, self.issuer, self._record, _Stream(), lambda: None)
         self.layer_loads.add(session.sid, progress)
         return p.RetrieveReply(0, 0, True, progress.load_id, progress.recorded), []
 

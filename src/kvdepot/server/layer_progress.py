@@ -68,6 +68,11 @@ class LayerProgress:
         self._cond = threading.Condition()
 
     @property
+    def paged(self) -> bool:
+        """The client learns of this load's layers from a progress page (no LAYERS round trip)."""
+        return self._page is not None
+
+    @property
     def done(self) -> bool:
         return self.recorded >= self.layers or bool(self.failed)
 
@@ -170,19 +175,18 @@ def _fence(load: LayerWaits, progress: LayerProgress, record: Callable[[int], No
 
 def start_early(load: LayerWaits, progress: LayerProgress, issuer: LayerIssuer, record: Callable[[int], None],
                 stream: object, on_end: Callable[[], None],
-                context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext, *,
-                first: bool = True) -> None:
-    """Answer ``load`` early (call under the shard's lock, so ``issuer.idle`` stays true): with
-    ``first``, layer 0 is recorded now if no earlier load's layers wait in ``issuer`` (else it too
-    is left to the issuer, behind them); the rest are queued. ``on_end`` runs once the job ends,
-    however it ends. A failure to record layer 0 here raises, and nothing is queued (``on_end`` is
-    the caller's).
+                context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext) -> None:
+    """Answer ``load`` early (call under the shard's lock, so ``issuer.idle`` stays true): where
+    ``progress`` has no page, layer 0 is recorded now if no earlier load's layers wait in
+    ``issuer`` (else it too is left to the issuer, behind them); the rest are queued. ``on_end``
+    runs once the job ends, however it ends. A failure to record layer 0 here raises, and nothing
+    is queued (``on_end`` is the caller's).
 
-    ``first=False`` (a client that reads the progress page): every layer is left to the issuer.
-    The copies start as early either way, and the reply no longer waits for layer 0's enqueue: the
-    client's forward learns of layer 0 from the page, for free. Without a page it would ask
-    LAYERS, a round trip, before its first layer."""
-    if first and issuer.idle:
+    With a page (``progress.paged``) every layer is left to the issuer. The copies start as early
+    either way, and the reply no longer waits for layer 0's enqueue: the client's forward learns
+    of layer 0 from the page, for free. Without a page it would ask LAYERS, a round trip, before
+    its first layer."""
+    if not progress.paged and issuer.idle:
         try:
             load.enqueue_through(0)
         except BaseException as exc:

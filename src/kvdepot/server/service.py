@@ -305,7 +305,7 @@ class DepotService:
 
         progress = LayerProgress(next(self._load_ids), load.num_layers, admission.deadline_ns, pool.progress)
         start_early(load, progress, reg.shard.issuer, pool.record_layer, pool.stream, end,
-                    lambda: _device(pool.tensor), first=pool.progress is None)  # type: ignore[arg-type]
+                    lambda: _device(pool.tensor))  # type: ignore[arg-type]
         self.layer_loads.add(session.sid, progress)
         return progress.load_id, progress.recorded
 
