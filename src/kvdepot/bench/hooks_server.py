@@ -1,7 +1,7 @@
 """The server of ``kvdepot bench hooks``: the real loop, sessions, LAYERS and progress page, over
 loads by layer whose copies are simulated — so the path runs, and is timed, on a CPU.
 
-    python -m kvdepot.bench.hooks_server URL LAYERS ISSUE_US GIL_US AHEAD STAMPS
+    python -m kvdepot.bench.hooks_server URL LAYERS ISSUE_US GIL_US STAMPS
 
 REGISTER maps the client's progress page as a real server does (``serve_page``) and keeps nothing
 else; RETRIEVE makes a real ``LayeredLoad`` whose "driver call" per layer holds the GIL for
@@ -54,9 +54,9 @@ class _Stream:
 class SimulatedService(DepotService):
     """``DepotService`` whose REGISTER and RETRIEVE need no pool and no GPU (everything else is its own)."""
 
-    def __init__(self, url: str, layers: int, issue_us: float, gil_us: float, ahead: int, stamps: str) -> None:
+    def __init__(self, url: str, layers: int, issue_us: float, gil_us: float, stamps: str) -> None:
         super().__init__(load_config(), url=url)
-        self.layers, self.issue_us, self.gil_us, self.ahead = layers, issue_us, gil_us, ahead
+        self.layers, self.issue_us, self.gil_us = layers, issue_us, gil_us
         self.stamps = np.memmap(stamps, dtype=np.int64, mode="r+", shape=(layers,))
         self.issuer = LayerIssuer("sim-layers")
         self.pages: dict[int, ProgressPage | None] = {}
@@ -78,7 +78,7 @@ class SimulatedService(DepotService):
 
     def retrieve(self, peer: bytes, msg: p.Retrieve, payloads: p.Payloads) -> p.Reply:
         session = self._session(peer)
-        load = LayeredLoad(self._issue(), [_Event() for _ in range(self.layers)], None, lambda exc: None, self.ahead,
+        load = LayeredLoad(self._issue(), [_Event() for _ in range(self.layers)], None, lambda exc: None,
                            on_layer=lambda layer, _side: self._record(layer))
         # As the service does: the engine enqueues nothing of a signalled load, and the reply goes
         # before layer 0 where the client reads a page (``layer_progress.start_early``)
@@ -93,10 +93,10 @@ class SimulatedService(DepotService):
 
 
 def main(argv: list[str]) -> None:
-    url, layers, issue_us, gil_us, ahead, stamps = argv
+    url, layers, issue_us, gil_us, stamps = argv
     server = DepotServer(url, load_config())
     server.service.close()
-    server.service = SimulatedService(url, int(layers), float(issue_us), float(gil_us), int(ahead), stamps)
+    server.service = SimulatedService(url, int(layers), float(issue_us), float(gil_us), stamps)
     server.serve_forever()
 
 

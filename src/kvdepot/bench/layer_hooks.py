@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--launches", type=non_negative, default=8,
                         help="slices of a layer's forward, the GIL released between them as an op call does "
                              "(default 8; 0: held throughout)")
-    parser.add_argument("--ahead", type=int, default=4, help="layers enqueued ahead (config load_layers_ahead)")
+    parser.add_argument("--ahead", type=int, default=4, help="in-process modes: layers enqueued ahead (config load_layers_ahead; a server enqueues none before its reply)")
     parser.add_argument("--loads", type=int, default=10, help="loads per mode and round (medians over all rounds)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds over the modes, alternating")
     parser.add_argument("--modes", default=",".join(MODES), help="of " + ", ".join(MODES))
@@ -138,7 +138,7 @@ def _server(args: argparse.Namespace, workdir: Path) -> Iterator[tuple[str, np.n
     url, stamps_path = f"ipc://{workdir}/hooks.sock", workdir / "stamps"
     stamps = np.memmap(stamps_path, dtype=np.int64, mode="w+", shape=(args.layers,))
     proc = subprocess.Popen([sys.executable, "-m", "kvdepot.bench.hooks_server", url, str(args.layers),
-                             str(args.issue_us), str(args.gil_us), str(args.ahead), str(stamps_path)],
+                             str(args.issue_us), str(args.gil_us), str(stamps_path)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "KVDEPOT_LOG_LEVEL": "WARNING"})
     try:
         yield url, stamps
