@@ -114,7 +114,7 @@ def test_a_server_killed_mid_load_fails_the_next_layer_not_recorded(workdir):
     """The bench's simulated server (the real loop, LAYERS and page; 0.2 s per layer's "copies")."""
     url, stamps = f"ipc://{workdir}/k.sock", workdir / "stamps"
     np.memmap(stamps, dtype=np.int64, mode="w+", shape=(LAYERS,)).flush()
-    server = _spawn(["-m", "kvdepot.bench.hooks_server", url, str(LAYERS), "200000", "100", "0", str(stamps)],
+    server = _spawn(["-m", "kvdepot.bench.hooks_server", url, str(LAYERS), "200000", "100", str(stamps)],
                     workdir / "server.log", "")
     client = DepotClient(url, timeout_s=0.5, heartbeat_s=0.1, name="killed", connect=False)
     page = ProgressPage.create()
