@@ -39,9 +39,34 @@ def test_mp_benchmark_on_cpu():
     rows = run(args)
     cases = {(r["mode"], r["op"]) for r in rows}
     assert {("memcpy", "store"), ("in-process", "retrieve"), ("multi-process", "store"),
-            ("multi-process", "lookup rtt")} <= cases
+            ("multi-process", "lookup rtt"), ("zmq echo", "ping rtt")} <= cases
     assert all(r["GB/s"] > 0 and r["ratio"] > 0 for r in rows if r["GB/s"] is not None)
     rtt = next(r for r in rows if r["op"] == "lookup rtt")
     assert 0 < rtt["p50 us"] <= rtt["p99 us"]
+    floor, ping = (next(r for r in rows if r["op"] == "ping rtt" and r["mode"] == m) for m in ("zmq echo", "multi-process"))
+    assert 0 < floor["p50 us"] <= floor["p99 us"]
+    assert ping["ratio"] == pytest.approx(floor["p50 us"] / ping["p50 us"])
     multi = next(r for r in rows if r["mode"] == "multi-process" and r["op"] == "retrieve")
     assert multi["pool"] == "shm" and multi["vs in-process"] > 0
+
+
+def test_zmq_echo_floor_returns_the_frames_and_leaves_nothing_behind():
+    import glob
+
+    import zmq
+
+    from kvdepot.bench.zmq_echo import echo_rtt, echo_server
+
+    before = set(glob.glob("/tmp/kvd-echo-*"))
+    with echo_server() as url:
+        figures = echo_rtt(url, [b"header", b"body"], 20)
+        assert 0 < figures["p50 us"] <= figures["p99 us"]
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        sock.connect(url)
+        sock.send_multipart([b"a", b"b" * 1000])
+        assert sock.recv_multipart() == [b"a", b"b" * 1000]  # echoed whole: the floor carries what a PING does
+        sock.close(0)
+        ctx.term()
+    assert set(glob.glob("/tmp/kvd-echo-*")) == before  # the socket's directory is gone with the process

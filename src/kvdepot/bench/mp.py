@@ -3,7 +3,10 @@
     memcpy          one plain pinned copy of the same bytes (host<->GPU; a host memcpy on CPU)
     in-process      CacheEngine.store / retrieve on the pool
     multi-process   a ``kvdepot server`` subprocess copying in/out of the mapped pool
-    ping rtt        PING round trips over the ipc:// socket (the transport alone): p50 / p99 in us
+    zmq echo        a PING's frames echoed by a plain pyzmq ROUTER over ipc://, no kvdepot in it:
+                    the round trip's floor (``zmq_echo``), p50 / p99 in us
+    ping rtt        PING round trips through kvdepot's client and server (a handler that does
+                    nothing): p50 / p99 in us; ``ratio`` the floor's p50 over this one
     lookup rtt      LOOKUP (+ fire-and-forget RELEASE) round trips, as the scheduler makes them
 
 Each copy row has its median time per operation (``ms/op``): multi-process minus in-process is the
@@ -36,6 +39,7 @@ import torch
 from kvdepot.bench.common import device_name, median_seconds, memcpy_ceiling
 from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.bench.server_proc import running_server
+from kvdepot.bench.zmq_echo import echo_rtt, echo_server
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 from kvdepot.layout import PoolLayout
@@ -123,8 +127,11 @@ def run(args: Any) -> list[dict]:
                     row("multi-process", op, pool=remote.exported.kind, **{
                         "GB/s": multi[op], "ms/op": nbytes / multi[op] / 1e6, "ratio": multi[op] / ceiling[op],
                         "vs in-process": multi[op] / local[op]})
-                with report.step("round trips"):
-                    row("multi-process", "ping rtt", **_rtt(client, None, _opt(args, "lookups")))
+                with report.step("round trips"), echo_server() as echo:
+                    floor = echo_rtt(echo, w.request_frames(p.OP_OF[p.Ping], 1, p.Ping()), _opt(args, "lookups"))
+                    row("zmq echo", "ping rtt", **floor)
+                    ping = _rtt(client, None, _opt(args, "lookups"))
+                    row("multi-process", "ping rtt", ratio=floor["p50 us"] / ping["p50 us"], **ping)
                     row("multi-process", "lookup rtt", **_rtt(client, remote.chunk_keys(list(range(moved * B))),
                                                              _opt(args, "lookups")))
                 remote.close()
