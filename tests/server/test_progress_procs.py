@@ -110,8 +110,11 @@ def test_layer_progress_rpc_sends_no_page(workdir):
         stop_server(server)
 
 
-def test_a_server_killed_mid_load_fails_the_next_layer_not_recorded(workdir):
-    """The bench's simulated server (the real loop, LAYERS and page; 0.2 s per layer's "copies")."""
+@pytest.mark.parametrize("read_first", [True, False], ids=["after-layer-1", "before-layer-0"])
+def test_a_server_killed_mid_load_fails_the_next_layer_not_recorded(workdir, read_first):
+    """The bench's simulated server (the real loop, LAYERS and page; 0.2 s per layer's "copies").
+    ``before-layer-0``: killed right after its reply, which (with a page) comes before any layer
+    is enqueued: the client's first wait fails, as any later one does."""
     url, stamps = f"ipc://{workdir}/k.sock", workdir / "stamps"
     np.memmap(stamps, dtype=np.int64, mode="w+", shape=(LAYERS,)).flush()
     server = _spawn(["-m", "kvdepot.bench.hooks_server", url, str(LAYERS), "200000", "100", str(stamps)],
@@ -129,13 +132,16 @@ def test_a_server_killed_mid_load_fails_the_next_layer_not_recorded(workdir):
         load_id = load.load_id  # type: ignore[attr-defined]
         follow = RemoteProgress(lambda through: client.submit(p.Layers(load_id, through)), load.layers_ready,  # type: ignore[attr-defined]
                                 LAYERS, client.timeout_s, Watch(page, load_id, deadline, lambda: client.ready))
-        follow.through(1)  # read from the page (the server records one layer per 0.2 s)
-        assert follow.stats.asks == 0
+        if read_first:
+            follow.through(1)  # read from the page (the server records one layer per 0.2 s)
+            assert follow.stats.asks == 0
+        else:
+            assert load.layers_ready == 0  # type: ignore[attr-defined]  # the reply came before layer 0
         os.kill(server.pid, signal.SIGKILL)
         server.wait()
         started = time.monotonic()
         with pytest.raises(TransferFailed) as raised:
-            follow.through(LAYERS - 1)
+            follow.through(LAYERS - 1 if read_first else 0)
         assert not isinstance(raised.value, FencedFailure)  # nothing the client could wait on
         assert time.monotonic() - started < 5.0
         assert follow.ready < LAYERS  # never reported past what the server recorded
