@@ -112,12 +112,14 @@ def test_layer_progress_rpc_sends_no_page(workdir):
 
 @pytest.mark.parametrize("read_first", [True, False], ids=["after-layer-1", "before-layer-0"])
 def test_a_server_killed_mid_load_fails_the_next_layer_not_recorded(workdir, read_first):
-    """The bench's simulated server (the real loop, LAYERS and page; 0.2 s per layer's "copies").
-    ``before-layer-0``: killed right after its reply, which (with a page) comes before any layer
-    is enqueued: the client's first wait fails, as any later one does."""
+    """The bench's simulated server (the real loop, LAYERS and page; 0.2 s per layer's "copies",
+    5 s where it must not record layer 0 before the kill). ``before-layer-0``: killed right after
+    its reply, which (with a page) comes before any layer is enqueued: the client's first wait
+    fails, as any later one does."""
     url, stamps = f"ipc://{workdir}/k.sock", workdir / "stamps"
     np.memmap(stamps, dtype=np.int64, mode="w+", shape=(LAYERS,)).flush()
-    server = _spawn(["-m", "kvdepot.bench.hooks_server", url, str(LAYERS), "200000", "100", str(stamps)],
+    issue_us = 200_000 if read_first else 5_000_000  # before-layer-0: no skew of a busy box lets it record layer 0
+    server = _spawn(["-m", "kvdepot.bench.hooks_server", url, str(LAYERS), str(issue_us), "100", str(stamps)],
                     workdir / "server.log", "")
     client = DepotClient(url, timeout_s=0.5, heartbeat_s=0.1, name="killed", connect=False)
     page = ProgressPage.create()
