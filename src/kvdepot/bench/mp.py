@@ -39,7 +39,7 @@ import torch
 from kvdepot.bench.common import device_name, median_seconds, memcpy_ceiling
 from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.bench.server_proc import running_server
-from kvdepot.bench.zmq_echo import echo_rtt, echo_server
+from kvdepot.bench.zmq_echo import echo_rtt, echo_server, percentiles_us
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
 from kvdepot.layout import PoolLayout
@@ -206,8 +206,7 @@ def _rtt(client: DepotClient, keys: list[bytes] | None, n: int) -> dict[str, Any
         samples.append((time.perf_counter() - started) * 1e6)
         if keys is not None:
             client.submit(p.Release(i))
-    samples.sort()
-    return {"p50 us": samples[n // 2], "p99 us": samples[min(n - 1, n * 99 // 100)]}
+    return percentiles_us(samples)
 
 
 def main(argv: list[str] | None = None) -> int:

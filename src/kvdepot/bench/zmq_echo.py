@@ -2,6 +2,7 @@
 
     with echo_server() as url:
         echo_rtt(url, frames, n) -> {"p50 us", "p99 us"}
+    percentiles_us(samples) -> {"p50 us", "p99 us"}     the same figures of any round trips
 
 A ROUTER in a subprocess (``python -m kvdepot.bench.zmq_echo URL``) sends every message straight
 back; a DEALER here sends the given frames (a PING's header and body) and blocks in ``recv``.
@@ -88,7 +89,12 @@ def echo_rtt(url: str, frames: Sequence[bytes], n: int, timeout_s: float = 5.0) 
     finally:
         sock.close(0)
         ctx.term()
-    samples.sort()
+    return percentiles_us(samples)
+
+
+def percentiles_us(samples: list[float]) -> dict[str, float]:
+    """The p50 and p99 of round trips in microseconds, as ``bench mp`` reports every round trip."""
+    samples, n = sorted(samples), len(samples)
     return {"p50 us": samples[n // 2], "p99 us": samples[min(n - 1, n * 99 // 100)]}
 
 
