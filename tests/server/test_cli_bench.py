@@ -70,3 +70,14 @@ def test_zmq_echo_floor_returns_the_frames_and_leaves_nothing_behind():
         sock.close(0)
         ctx.term()
     assert set(glob.glob("/tmp/kvd-echo-*")) == before  # the socket's directory is gone with the process
+
+
+@pytest.mark.parametrize("argv, says", [([], "usage: python -m kvdepot.bench.zmq_echo URL"),
+                                        (["http://nowhere"], "zmq_echo: cannot bind 'http://nowhere'")])
+def test_zmq_echo_refuses_bad_arguments_in_one_line(argv, says):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kvdepot.bench.zmq_echo", *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(says) and done.stderr.count("\n") == 1

@@ -98,5 +98,18 @@ def percentiles_us(samples: list[float]) -> dict[str, float]:
     return {"p50 us": samples[n // 2], "p99 us": samples[min(n - 1, n * 99 // 100)]}
 
 
+def main(argv: list[str]) -> int:
+    """``python -m kvdepot.bench.zmq_echo URL``; a bad argument list or URL: one line, status 2."""
+    if len(argv) != 1:
+        print("usage: python -m kvdepot.bench.zmq_echo URL (e.g. ipc:///tmp/echo.sock)", file=sys.stderr)
+        return 2
+    try:
+        serve(argv[0])
+    except zmq.ZMQError as exc:
+        print(f"zmq_echo: cannot bind {argv[0]!r}: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    sys.exit(main(sys.argv[1:]))
