@@ -79,6 +79,35 @@ def test_a_long_read_keeps_read_depth_pieces_in_flight(tier: DiskTier, slow: _Sl
     assert slow.started == slow.finished == 12 + 1  # the pieces and the partial block's read
 
 
+
+def test_a_slow_piece_does_not_hold_back_the_pieces_after_it(tier: DiskTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each reader thread takes the next piece as soon as its last one lands, not when this read's
+    thread gets to it in order: while the second piece is held, every later one is read, so the
+    disk's queue stays ``READ_DEPTH`` deep behind a straggler."""
+    key = ChunkKey(bytes(16))
+    assert tier.put(key, _payload(6))
+    held, lock, done_while_held = threading.Event(), threading.Lock(), []
+    real = disk_io._transfer
+
+    def straggler(call, fd, parts, offset, want):
+        if call is os.preadv and offset == disk.OFFSET + PIECE:
+            held.set()
+            time.sleep(0.5)
+            with lock:
+                done_while_held.append(len(finished))
+        n = real(call, fd, parts, offset, want)
+        with lock:
+            finished.append(offset)
+        return n
+
+    finished: list[int] = []
+    monkeypatch.setattr(disk_io, "_transfer", straggler)
+    out = _buffer()
+    assert tier.get_into(key, out) == N and out == _payload(6)
+    others = len(disk_io._spans(12 * PIECE, PIECE)) - 1  # (the partial block is read after them all)
+    assert held.is_set() and done_while_held == [others]  # every other piece landed under the straggler
+
+
 @pytest.mark.parametrize("damage", ["header", "zeroed"])
 def test_a_read_that_fails_early_waits_for_every_piece_it_started(
     tier: DiskTier, slow: _SlowReads, damage: str

@@ -9,7 +9,8 @@
 * **One checksum pass.** A write sends a payload over ``OVERLAP`` bytes to the file while a
   helper thread computes its header (xxhash releases the GIL), then writes the header block; a
   read of a payload over ``READ_PIECE`` bytes goes in pieces, ``READ_DEPTH`` of them in flight on
-  reader threads, the checksum blocks of each piece hashed on helpers where it landed while later
+  reader threads that each take the next piece as theirs lands, the checksum blocks of each piece
+  hashed on helpers where it landed while later
   ones are read (on the GPU host one pass after a whole read cost ~20%; one piece at a time left
   the disk idle between pieces; one helper hashing the pieces in order left 1.4 ms after the read).
 
@@ -24,7 +25,6 @@ import logging
 import mmap
 import os
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager, suppress
@@ -282,25 +282,37 @@ class ObjectFiles:
 
     def _read_pieces(self, fd: int, key: ChunkKey, dst: memoryview, direct: bool) -> tuple[memoryview | None, str | None]:
         """``read`` of a long payload into ``dst`` in pieces (``_spans``), ``READ_DEPTH`` of them in
-        flight on reader threads; as each lands, in order, the checksum blocks it completes are
-        hashed on a helper (``codec.block_digests``), several at once: the disk's queue stays deep
-        (one piece at a time left it idle between pieces), and only the last small piece's blocks
-        are left to hash after the read. The header block comes with the first piece and is
-        checked when it lands. Reads in flight write into ``dst``: whatever the verdict, none is
-        left running when this returns."""
+        flight: that many reader threads each take the next piece the moment their last one lands,
+        so the disk's queue never waits for this thread to wake and hand out work. As pieces land,
+        in order, the checksum blocks each completes are hashed on helpers
+        (``codec.block_digests``), several at once, so only the last small piece's blocks are left
+        to hash after the read. The header block comes with the first piece and is checked when
+        it lands. Readers write into ``dst``: whatever the verdict, none is left running when
+        this returns."""
         n, blocks = dst.nbytes, self._blocks()
         head, tail = blocks[:ALIGN], blocks[ALIGN:]
         cut = n - n % ALIGN if direct else n  # O_DIRECT reads the last partial block into ``tail``
         spans = _spans(cut, self.read_piece or READ_PIECE)
-        depth, readers, helpers = self.read_depth or READ_DEPTH, self._pool("read"), self._pool("verify")
+        depth, helpers = self.read_depth or READ_DEPTH, self._pool("verify")
+        landed: list[Future[bool]] = [Future() for _ in spans]  # each piece whole (False: the file shrank)
+        claims, claiming, stop = iter(range(len(spans))), threading.Lock(), threading.Event()
 
-        def start(i: int) -> tuple[Future[int], int]:
-            lo, hi = spans[i]
-            if i == 0:  # with the header block
-                return readers.submit(_transfer, os.preadv, fd, [head, dst[lo:hi]], 0, OFFSET + hi), OFFSET + hi
-            return readers.submit(_transfer, os.preadv, fd, [dst[lo:hi]], OFFSET + lo, hi - lo), hi - lo
+        def reader() -> None:
+            while not stop.is_set():
+                with claiming:
+                    i = next(claims, None)
+                if i is None:
+                    return
+                lo, hi = spans[i]
+                parts, at = ([head, dst[lo:hi]], 0) if i == 0 else ([dst[lo:hi]], OFFSET + lo)  # the header with piece 0
+                want = sum(part.nbytes for part in parts)
+                try:
+                    landed[i].set_result(_transfer(os.preadv, fd, parts, at, want) == want)
+                except BaseException as exc:
+                    landed[i].set_exception(exc)
+                    return
 
-        flight = deque(start(i) for i in range(min(depth, len(spans))))
+        readers = [self._pool("read").submit(reader) for _ in range(min(depth, len(spans)))]
         digests: list[Future[bytes]] = []
         hashed, header = 0, None  # bytes of ``dst`` handed to the helpers (whole checksum blocks)
 
@@ -312,11 +324,8 @@ class ObjectFiles:
 
         try:
             for i, (_, hi) in enumerate(spans):
-                read, want = flight.popleft()
-                if read.result() < want:
+                if not landed[i].result():
                     return None, CORRUPT  # shrunk while we read
-                if i + len(flight) + 1 < len(spans):
-                    flight.append(start(i + len(flight) + 1))
                 if header is None:
                     header = self._header(head, key, n)
                     if header is None:
@@ -328,7 +337,8 @@ class ObjectFiles:
                 dst[cut:] = tail[: n - cut]
             hash_through(n)
         finally:
-            wait([read for read, _ in flight])  # none may still write into ``dst``
+            stop.set()  # readers take no further piece
+            wait(readers)  # none may still write into ``dst``
             wait(digests)  # nor hash it: the caller may reuse it at once
         assert header is not None  # the first piece's header was checked, or we returned
         valid = codec.verify_digests(header, b"".join(d.result() for d in digests), n)
