@@ -10,9 +10,9 @@
   helper thread computes its header (xxhash releases the GIL), then writes the header block; a
   read of a payload over ``READ_PIECE`` bytes goes in pieces, ``READ_DEPTH`` of them in flight on
   reader threads that each take the next piece as theirs lands, the checksum blocks of each piece
-  hashed on helpers where it landed while later
-  ones are read (on the GPU host one pass after a whole read cost ~20%; one piece at a time left
-  the disk idle between pieces; one helper hashing the pieces in order left 1.4 ms after the read).
+  hashed on helpers where it landed while later ones are read (on the GPU host one pass after a
+  whole read cost ~20%; one piece at a time left the disk idle between pieces; one helper hashing
+  the pieces in order left 1.4 ms after the read).
 
 ``ObjectFiles`` knows nothing of indexes, budgets or eviction (``disk.DiskTier`` does): it writes
 one object to a path it is given and reads one back, verified. Thread-safe: buffers are per thread.
