@@ -186,7 +186,9 @@ class ObjectFiles:
 
     def _pool(self, kind: str) -> ThreadPoolExecutor:
         """This object's threads of one kind, started on first use: ``write`` (a long write's
-        header checksum), ``read`` (the pieces of long reads), ``verify`` (their checksum blocks).
+        header checksum), ``read`` (each long read's readers: four reads at once, as many as a
+        promotion's default ``promote_streams``; a fifth read's readers start as one ends),
+        ``verify`` (their checksum blocks).
         Kept apart so that no kind queues behind another's work: a piece's read behind hashing,
         a read's blocks behind a write's whole-payload checksum (a promotion waits for those)."""
         with self._lock:
