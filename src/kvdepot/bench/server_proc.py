@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -17,7 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvdepot.bench.subprocs import wait_or_kill
+from kvdepot.bench.subprocs import terminate
 from kvdepot.server.client import DepotClient
 
 
@@ -43,9 +42,7 @@ def running_server(*args: str, timeout_s: float = 120.0) -> Iterator[str]:
         yield url
     finally:
         probe.close()
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        wait_or_kill(proc, 30)
+        terminate(proc, 30)
         if log is not subprocess.DEVNULL:
             log.close()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Ending a bench's child process: ``wait_or_kill(proc, timeout_s)``.
+"""Ending a bench's child process: ``wait_or_kill(proc, timeout_s)``, ``terminate(proc, timeout_s)``.
 
 A bench asks its children to stop (a signal, a message, a file) and must neither hang on one that
 does not nor leave one behind: wait so long, then kill. (``bench soak`` kills its own way: its
@@ -7,6 +7,8 @@ children may be SIGSTOPped and get a SIGCONT first.)
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 
 
@@ -17,3 +19,10 @@ def wait_or_kill(proc: subprocess.Popen, timeout_s: float) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float) -> int:
+    """``wait_or_kill`` after a SIGTERM (a child that may have exited already: nothing to signal)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    return wait_or_kill(proc, timeout_s)

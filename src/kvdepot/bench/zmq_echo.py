@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import zmq
 
-from kvdepot.bench.subprocs import wait_or_kill
+from kvdepot.bench.subprocs import terminate
 
 READY = b"ready\n"
 
@@ -64,9 +63,7 @@ def echo_server(timeout_s: float = 30.0) -> Iterator[str]:
             raise RuntimeError(f"the zmq echo server did not start (exit code {proc.poll()})")
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        wait_or_kill(proc, 10)
+        terminate(proc, 10)
         if proc.stdout is not None:
             proc.stdout.close()
         shutil.rmtree(workdir, ignore_errors=True)
