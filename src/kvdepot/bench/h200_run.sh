@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers stall pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp abdisk goals19 anatomy19
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers stall pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp abdisk goals19 anatomy19 cpus
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -128,6 +128,15 @@ for step in $steps; do
         PYTHONPATH=/tmp/site:$tree python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk --reps 3 \
           2>&1 | grep -E "^(tier|disk +(put / write|get_into))"
       done 2>&1 | tee "$OUT/abdisk.txt" ;;
+    cpus) # the 256 KiB store's spread from process to process (10+ points): is it where the process runs? The
+          # shape in one process per quarter of the CPUs (taskset), twice around, with the host's CPU layout first
+      { lscpu | grep -E "^(Model name|Socket|NUMA|Core|Thread|CPU\(s\))"; nvidia-smi topo -m 2>&1 | head -4
+        n=$(nproc); q=$((n / 4))
+        for round in 1 2; do for k in 0 1 2 3; do cpus="$((k * q))-$((k * q + q - 1))"; echo "## cpus $cpus"
+          taskset -c "$cpus" python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 \
+            --layers 16 --head-dim 64 --tokens-per-block 8 2>&1 | grep -E "^kvdepot bench|^batch .*  (store|retrieve)  "
+        done; done
+      } 2>&1 | tee "$OUT/cpus.txt" ;;
     uva|hybrid|batch) echo "step $step was retired with tools/uva_probe.py (issue 15): see docs/perf-notes.md" ;;
     *) echo "unknown step $step" ;;
   esac
