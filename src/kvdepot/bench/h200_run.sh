@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the H200 machine: install the carried wheels, run the GPU half of the test suite,
 # then the benchmarks. Usage (device tool, carry .whl): bash src/kvdepot/bench/h200_run.sh [steps...]
-# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers stall pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp abdisk goals19 anatomy19 cpus
+# steps: tests transfer transfer1b demo ttft ttft4k mp ttftmp ttftrpc hooks tiers stall pieces anatomy layers layerthread bookkeeping movers tp issue19 dma contexts firsthit19 ab19 abin abshapes abmp abdisk goals19 anatomy19 cpus arenas
 # (default: tests transfer demo ttft mp). Output lands in $OUT. Run from the repository root.
 # Retired with tools/ (issue 15; their figures are in docs/perf-notes.md): uva, hybrid, batch
 # (tools/uva_probe.py, a Triton mover never adopted); anatomy now runs bench transfer --timeline.
@@ -137,6 +137,12 @@ for step in $steps; do
             --layers 16 --head-dim 64 --tokens-per-block 8 2>&1 | grep -E "^kvdepot bench|^batch .*  (store|retrieve)  "
         done; done
       } 2>&1 | tee "$OUT/cpus.txt" ;;
+    arenas) # the same question another way: bench ab of this tree against itself (two engines over one pool, each
+            # its own pinned arena, paired round by round), three processes: apart within a process = the arena's
+            # memory; alike within each but apart between processes = the process
+      for _ in 1 2 3; do
+        python3 -m kvdepot.cli bench ab --old src --first new --rounds ${AB_ROUNDS:-40} 2>&1 | grep -E "^(kvdepot bench ab|store|retrieve) "
+      done 2>&1 | tee "$OUT/arenas.txt" ;;
     uva|hybrid|batch) echo "step $step was retired with tools/uva_probe.py (issue 15): see docs/perf-notes.md" ;;
     *) echo "unknown step $step" ;;
   esac
