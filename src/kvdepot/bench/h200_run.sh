@@ -131,8 +131,8 @@ for step in $steps; do
     cpus) # the 256 KiB store's spread from process to process (10+ points): is it where the process runs? The
           # shape in one process per quarter of the CPUs (taskset), CPUS_ROUNDS (2) times around, with the host's CPU layout first
       { lscpu | grep -E "^(Model name|Socket|NUMA|Core|Thread|CPU\(s\))"; nvidia-smi topo -m 2>&1 | head -4
-        n=$(nproc); q=$(( n >= 4 ? n / 4 : 1 ))
-        for round in $(seq ${CPUS_ROUNDS:-2}); do for k in $(seq 0 $(( n / q - 1 < 3 ? n / q - 1 : 3 ))); do cpus="$((k * q))-$((k * q + q - 1))"; echo "## cpus $cpus"
+        n=$(nproc); parts=$(( n < 4 ? n : 4 )); q=$(( n / parts ))  # CPUs per process
+        for round in $(seq ${CPUS_ROUNDS:-2}); do for k in $(seq 0 $((parts - 1))); do cpus="$((k * q))-$((k * q + q - 1))"; echo "## cpus $cpus"
           taskset -c "$cpus" python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 \
             --layers 16 --head-dim 64 --tokens-per-block 8 2>&1 | grep -E "^kvdepot bench|^batch .*  (store|retrieve)  "
         done; done
