@@ -129,12 +129,14 @@ for step in $steps; do
           2>&1 | grep -E "^(tier|disk +(put / write|get_into))"
       done 2>&1 | tee "$OUT/abdisk.txt" ;;
     cpus) # the 256 KiB store's spread from process to process (10+ points): is it where the process runs? The
-          # shape in one process per quarter of the CPUs (taskset), CPUS_ROUNDS (2) times around, with the host's CPU layout first
+          # shape in one process per quarter of the CPUs (taskset), CPUS_ROUNDS (2) times around, with the host's CPU layout first;
+          # CPUS_HEADS (e.g. 16,64,16): store_head_mib values each process measures in turn (a larger head for slow processes?)
       { lscpu | grep -E "^(Model name|Socket|NUMA|Core|Thread|CPU\(s\))"; nvidia-smi topo -m 2>&1 | head -4
         n=$(nproc); parts=$(( n < 4 ? n : 4 )); q=$(( n / parts ))  # CPUs per process
         for round in $(seq ${CPUS_ROUNDS:-2}); do for k in $(seq 0 $((parts - 1))); do cpus="$((k * q))-$((k * q + q - 1))"; echo "## cpus $cpus"
           taskset -c "$cpus" python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 \
-            --layers 16 --head-dim 64 --tokens-per-block 8 2>&1 | grep -E "^kvdepot bench|^batch .*  (store|retrieve)  "
+            --layers 16 --head-dim 64 --tokens-per-block 8 ${CPUS_HEADS:+--store-head-mib $CPUS_HEADS} 2>&1 \
+            | grep -E "^kvdepot bench|^batch .*  (store|retrieve)  "
         done; done
       } 2>&1 | tee "$OUT/cpus.txt" ;;
     arenas) # the same question another way: bench ab of this tree against itself (two engines over one pool, each
