@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ def test_the_rewrite_renames_imports_and_nothing_else():
         'logging.getLogger("kvdepot")\nx = "kvdepot_old.integrations.vllm"\n')
 
 
-def test_both_trees_are_timed_round_by_round_on_cpu(tmp_path, kvdepot_env_cleared):
+def test_both_trees_are_timed_round_by_round_on_cpu(tmp_path, kvdepot_env_cleared, capsys):
     parser = argparse.ArgumentParser()
     ab.add_arguments(parser)
     args = parser.parse_args(["--old", str(_old_tree(tmp_path)), "--device", "cpu", "--layers", "2", "--head-dim", "16",
@@ -54,6 +55,8 @@ def test_both_trees_are_timed_round_by_round_on_cpu(tmp_path, kvdepot_env_cleare
     assert [r["op"] for r in rows] == ["store", "retrieve"]  # both at once: CUDA only
     assert all(r["old ratio"] > 0 and r["new ratio"] > 0 for r in rows)
     assert all(isinstance(r["new - old points"], float) for r in rows)
+    # Each tree's own arena, in build order (--first old), where the same tree read apart (issue 19).
+    assert re.search(r"^NUMA: CPUs .*; old arena pages .*; new arena pages .*; memcpy pages ", capsys.readouterr().out, re.M)
 
 
 def test_bad_input_names_the_option_and_what_it_takes(tmp_path, kvdepot_env_cleared):

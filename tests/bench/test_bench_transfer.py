@@ -31,7 +31,10 @@ def test_bench_transfer_measures_each_batch_variant_in_one_run(kvdepot_env_clear
     assert [r["mover"] for r in rows] == [m for m in movers for _ in range(4)]
     assert [r["op"] for r in rows[:4]] == ["store", "2 stores at once", "retrieve", "lookup + retrieve"]
     assert all(r["ratio"] > 0 and r["call us"] > 0 for r in rows)
-    assert re.search(r"kvdepot bench transfer — cpu; host Python \d+ us per reference loop", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"kvdepot bench transfer — cpu; host Python \d+ us per reference loop", out)
+    # Where each variant's threads, arena and memcpy buffer sit (the store's spread, issue 19).
+    assert len(re.findall(r"^NUMA batch head \d lanes \d: CPUs .*; arena pages .*; memcpy pages ", out, re.M)) == 4
 
 
 def test_the_host_python_figure_follows_the_speed_of_python():

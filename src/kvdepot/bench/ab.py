@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from kvdepot.bench.common import Memcpy, device_name, host_python_us, paired_seconds
+from kvdepot.bench.numa import placement
 from kvdepot.bench.report import Report, add_output_arguments
 
 OPS = ("store", "retrieve", "both")
@@ -159,6 +160,8 @@ def _rounds(args: argparse.Namespace, ops: list[str], pool: torch.Tensor, nbytes
             for package in order:
                 sides["new" if package == "kvdepot" else "old"] = _Side(package, pool, args, nbytes, rng)
         copies = Memcpy(nbytes, pool.device)
+        arenas = {f"{tree} arena": getattr(side.engine.host, "segments", ()) for tree, side in sides.items()}
+        report.note(f"NUMA: {placement({**arenas, 'memcpy': [copies.host]}, pool.device)}")
         ceilings: dict[str, Callable[[], Any]] = {"store": copies.d2h, "retrieve": copies.h2d, "both": copies.both}
         ratios: dict[tuple[str, str], list[float]] = {(t, op): [] for t in sides for op in ops}
         for round_ in range(args.rounds):

@@ -74,7 +74,7 @@ for step in $steps; do
       for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "--layers 16 --head-dim 64 --tokens-per-block 8"; do
         procs=1; [ "$shape" = "--layers 16 --head-dim 64 --tokens-per-block 8" ] && procs=${SMALL_PROCS:-3}
         for _ in $(seq "$procs"); do
-          python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 $shape 2>&1 | grep -E "^(kvdepot bench|batch)"
+          python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 $shape 2>&1 | grep -E "^(kvdepot bench|batch|NUMA)"
         done
       done 2>&1 | tee "$OUT/goals19_transfer.txt"
       KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes in-process,mp --lengths 4096,16384,32768 \
@@ -136,14 +136,14 @@ for step in $steps; do
         for round in $(seq ${CPUS_ROUNDS:-2}); do for k in $(seq 0 $((parts - 1))); do cpus="$((k * q))-$((k * q + q - 1))"; echo "## cpus $cpus"
           taskset -c "$cpus" python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 \
             --layers 16 --head-dim 64 --tokens-per-block 8 ${CPUS_HEADS:+--store-head-mib $CPUS_HEADS} 2>&1 \
-            | grep -E "^kvdepot bench|^batch .*  (store|retrieve)  "
+            | grep -E "^kvdepot bench|^NUMA|^batch .*  (store|retrieve)  "
         done; done
       } 2>&1 | tee "$OUT/cpus.txt" ;;
     arenas) # the same question another way: bench ab of this tree against itself (two engines over one pool, each
             # its own pinned arena, paired round by round), three processes: apart within a process = the arena's
             # memory; alike within each but apart between processes = the process
       for _ in 1 2 3; do
-        python3 -m kvdepot.cli bench ab --old src --first new --rounds ${AB_ROUNDS:-40} 2>&1 | grep -E "^(kvdepot bench ab|store|retrieve) "
+        python3 -m kvdepot.cli bench ab --old src --first new --rounds ${AB_ROUNDS:-40} 2>&1 | grep -E "^(kvdepot bench ab|store|retrieve|NUMA:) "
       done 2>&1 | tee "$OUT/arenas.txt" ;;
     uva|hybrid|batch) echo "step $step was retired with tools/uva_probe.py (issue 15): see docs/perf-notes.md" ;;
     *) echo "unknown step $step" ;;

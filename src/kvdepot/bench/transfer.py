@@ -31,6 +31,7 @@ from kvdepot.bench.common import (
     paired_seconds,
     sync,
 )
+from kvdepot.bench.numa import placement
 from kvdepot.bench.report import Bars, Report, add_output_arguments
 from kvdepot.config import load_config
 from kvdepot.engine import CacheEngine
@@ -183,6 +184,7 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
             store()
     calls.clear()
     copies = Memcpy(nbytes, device)  # each timed operation is paired with a plain copy of its bytes
+    report.note(f"NUMA {label}: {placement({'arena': engine.host.segments, 'memcpy': [copies.host]}, device)}")
     with report.step(f"{label}: store"):
         store_s, d2h_s, store_ratio = paired_seconds(store, copies.d2h, device, args.reps, warmup=0)
     add("store", nbytes, store_s, d2h_s, store_ratio)

@@ -133,6 +133,11 @@ class HostTier:
         """The 1-D uint8 memory of ``key``'s slot. Only for a writer or a lease holder."""
         return self._slot_views[self._slot_of[key]]
 
+    @property
+    def segments(self) -> tuple[torch.Tensor, ...]:
+        """The arena's allocations, oldest first (for diagnostics: where their pages lie)."""
+        return tuple(s.memory for s in self._segments)
+
     def target_slots(self) -> int:
         """Slots worth allocating ahead of use: the arena's share of the budget, else all of it."""
         if self._budget is None:
