@@ -48,6 +48,7 @@ from kvdepot.storage.promotions import Promotions
 from kvdepot.transfer import MOVERS, BatchBlockMover, cuda_batch
 from kvdepot.transfer.base import BlockMover, ChunkCopy, LateMove
 from kvdepot.transfer.inflight import InflightTransfers
+from kvdepot.transfer.numa import near_gpu
 from kvdepot.transfer.plan import PoolViews
 from kvdepot.transfer.streams import CUDA, StreamKit
 
@@ -161,7 +162,10 @@ class CacheEngine(PoolsOwner):
             self.wait_all()
             self.layout = layout
             self._views = PoolViews(views)  # a new copy plan: the old pool's addresses go with it
-            self._pinner.start_locked()
+            # The arena is pinned from the GPU's CPUs (the pinner thread keeps them), so its pages
+            # sit on the GPU's NUMA node: as a server's shard does (``transfer/numa.py``).
+            with near_gpu(device.index if device.type == "cuda" else None):
+                self._pinner.start_locked()
             self._transfers.attach(device)
 
     # ---- what it is ---------------------------------------------------------------------------

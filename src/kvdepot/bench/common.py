@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from kvdepot.transfer.numa import near_gpu
+
 
 def positive(value: str) -> int:
     """An option's whole number >= 1 (argparse names the option and quotes this on a bad one)."""
@@ -66,11 +68,14 @@ class Memcpy:
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         self.device, pin = device, device.type == "cuda"
-        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        self.host.random_(0, 255)
+        # Pinned from the GPU's CPUs, as the engines' arenas are (``transfer/numa.py``): the
+        # ceiling is the copy between the GPU and its own node's memory.
+        with near_gpu((torch.cuda.current_device() if device.index is None else device.index) if pin else None):
+            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self.host.random_(0, 255)
+            self._host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None
         self.dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if pin:
-            self._host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             self._dev2 = torch.empty(nbytes, dtype=torch.uint8, device=device)
             self._up, self._down = torch.cuda.Stream(device), torch.cuda.Stream(device)
 

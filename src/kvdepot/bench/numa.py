@@ -18,24 +18,17 @@ from pathlib import Path
 
 import torch
 
+from kvdepot.transfer.numa import cpulist, gpu_cpus
+
 NODES = Path("/sys/devices/system/node")
 MOVE_PAGES = {"x86_64": 279, "aarch64": 239}  # the syscall's number per machine
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _cpulist(text: str) -> set[int]:
-    """``0-3,8,10-11`` as a set of CPU numbers."""
-    cpus: set[int] = set()
-    for part in filter(None, text.strip().split(",")):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
 def node_cpus(root: Path = NODES) -> dict[int, set[int]]:
     """Each NUMA node's CPUs ({} where the host does not say)."""
     try:
-        return {int(d.name[4:]): _cpulist((d / "cpulist").read_text())
+        return {int(d.name[4:]): cpulist((d / "cpulist").read_text())
                 for d in root.glob("node[0-9]*") if (d / "cpulist").exists()}
     except (OSError, ValueError):
         return {}
@@ -71,26 +64,12 @@ def page_nodes(ptr: int, nbytes: int, samples: int = 16) -> Counter[int]:
     return Counter(s for s in status if s >= 0)
 
 
-def gpu_node(device: torch.device) -> int | None:
-    """The NUMA node the GPU's PCIe slot hangs off (None where unknown, or -1 where the host says none)."""
-    if device.type != "cuda":
-        return None
-    props = torch.cuda.get_device_properties(device)
-    if not hasattr(props, "pci_bus_id"):
-        return None
-    bus = f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
-    try:
-        return int(Path(f"/sys/bus/pci/devices/{bus}/numa_node").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def placement(buffers: dict[str, Sequence[torch.Tensor]], device: torch.device) -> str:
-    """One line: this process's CPUs and their nodes, the GPU's node, and each named buffer's
+    """One line: this process's CPUs and their nodes, the GPU's (its PCI slot's local CPUs), and each named buffer's
     sampled pages by node (a buffer in several allocations: all of them)."""
     nodes = node_cpus()
-    gpu = gpu_node(device)
-    parts = [f"CPUs {cpus_text(os.sched_getaffinity(0), nodes)}", f"GPU node {'?' if gpu is None else gpu}"]
+    gpu = gpu_cpus(torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else None
+    parts = [f"CPUs {cpus_text(os.sched_getaffinity(0), nodes)}", f"GPU's CPUs {cpus_text(gpu, nodes) if gpu else '?'}"]
     for name, tensors in buffers.items():
         counts: Counter[int] = Counter()
         for tensor in tensors:

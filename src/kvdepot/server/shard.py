@@ -29,10 +29,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,6 +48,7 @@ from kvdepot.server.namespace import mp_namespace
 from kvdepot.server.protocol import ErrorCode, ProtocolError, Register
 from kvdepot.storage.budget import Budget
 from kvdepot.transfer.layered import LayerWaits
+from kvdepot.transfer.numa import near_gpu
 
 logger = logging.getLogger("kvdepot")
 
@@ -81,7 +80,7 @@ class Shard:
         # Attaching starts the engine's arena pinning (CUDA hosts): from registration on rather
         # than from the first store, so fewer copies run next to cudaHostAlloc; and on the GPU's
         # NUMA node, since the pinning thread allocates (and inherits this thread's CPUs).
-        with _near_gpu(device):
+        with near_gpu(device):
             self._detach_locked()
 
     def _attach(self, pool: torch.Tensor) -> None:
@@ -319,42 +318,3 @@ def _one_copy(msg: Register, config: DepotConfig) -> bool:
     return msg.one_copy and msg.tp_size > 1 and config.tp_kv_copies != "per-rank"
 
 
-@contextlib.contextmanager
-def _near_gpu(device: int | None) -> Iterator[None]:
-    """Run on the CPUs of GPU ``device``'s NUMA node (threads started meanwhile keep them), so the
-    memory this thread and its children touch first — the pinned arena — sits next to the GPU:
-    host<->GPU copies to the other socket's memory run markedly slower. No-op where unknown."""
-    cpus = _gpu_cpus(device) if device is not None and hasattr(os, "sched_setaffinity") else None
-    allowed = os.sched_getaffinity(0) if cpus else set()
-    near = cpus & allowed if cpus else set()
-    if not near or near == allowed:
-        yield
-        return
-    os.sched_setaffinity(0, near)  # this thread only (Linux)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, allowed)
-
-
-def _gpu_cpus(device: int) -> set[int] | None:
-    """``local_cpulist`` of the GPU's PCI device in sysfs; None if it cannot be found."""
-    try:
-        props = torch.cuda.get_device_properties(device)
-        ids = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
-        if None in ids:
-            from cuda.bindings import runtime
-
-            err, raw = runtime.cudaDeviceGetPCIBusId(64, device)
-            bus_id = bytes(raw).split(b"\0")[0].decode().lower() if int(err) == 0 else ""
-        else:
-            bus_id = f"{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}.0"
-        text = Path(f"/sys/bus/pci/devices/{bus_id}/local_cpulist").read_text().strip()
-        cpus: set[int] = set()
-        for part in filter(None, text.split(",")):
-            first, _, last = part.partition("-")
-            cpus.update(range(int(first), int(last or first) + 1))
-        return cpus or None
-    except (ImportError, OSError, ValueError, RuntimeError, TypeError, AttributeError, AssertionError):
-        logger.debug("kvdepot server: NUMA node of GPU %d unknown", device, exc_info=True)
-        return None

@@ -39,4 +39,4 @@ def test_the_line_names_this_process_cpus():
     line = numa.placement({"arena": [buffer, buffer[: numa.PAGE]]}, torch.device("cpu"))
     first = min(os.sched_getaffinity(0))
     assert line.startswith(f"CPUs {first}")
-    assert "; GPU node ?; arena pages " in line
+    assert "; GPU's CPUs ?; arena pages " in line
