@@ -163,8 +163,9 @@ class CacheEngine(PoolsOwner):
             self.layout = layout
             self._views = PoolViews(views)  # a new copy plan: the old pool's addresses go with it
             # The arena is pinned from the GPU's CPUs (the pinner thread keeps them), so its pages
-            # sit on the GPU's NUMA node: as a server's shard does (``transfer/numa.py``).
-            with near_gpu(device.index if device.type == "cuda" else None):
+            # sit on the GPU's NUMA node: as a server's shard does (``transfer/numa.py``). Once:
+            # a shard re-registers its pools often, and the pinner starts only at the first.
+            with near_gpu(device.index if device.type == "cuda" and not self._pinner.started else None):
                 self._pinner.start_locked()
             self._transfers.attach(device)
 

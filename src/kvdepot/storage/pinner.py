@@ -67,6 +67,11 @@ class ArenaPinner:
         self._stopped = False  # the thread has ended (closed, or it failed)
 
     @property
+    def started(self) -> bool:
+        """Whether ``start_locked`` has run (it does its work once)."""
+        return self._started
+
+    @property
     def pending_slots(self) -> int:
         """Slots the thread still means to pin ahead (its share); 0 when stalled or not pinning ahead."""
         if self._thread is None or self._stalled or self._stopped or self._closing.is_set():
