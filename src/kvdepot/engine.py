@@ -165,7 +165,7 @@ class CacheEngine(PoolsOwner):
             # The arena is pinned from the GPU's CPUs (the pinner thread keeps them), so its pages
             # sit on the GPU's NUMA node: as a server's shard does (``transfer/numa.py``). Once:
             # a shard re-registers its pools often, and the pinner starts only at the first.
-            with near_gpu(device.index if device.type == "cuda" and not self._pinner.started else None):
+            with near_gpu(None if self._pinner.started else device):
                 self._pinner.start_locked()
             self._transfers.attach(device)
 

@@ -40,6 +40,14 @@ def test_gpu_cpus_from_sysfs(monkeypatch, tmp_path):
     assert numa.gpu_cpus(0, tmp_path) is None  # unknown: the arena is allocated wherever the thread runs
 
 
+def test_only_a_gpu_has_cpus_near_it():
+    import torch
+
+    assert numa.cuda_index(3) == 3 and numa.cuda_index(torch.device("cuda", 1)) == 1
+    for device in (None, torch.device("cpu"), torch.device("meta")):
+        assert numa.cuda_index(device) is None and numa.gpu_cpus(device) is None
+
+
 def test_cpu_lists_parse():
     assert numa.cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
     assert numa.cpulist("\n") == set()

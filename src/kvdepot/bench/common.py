@@ -70,7 +70,7 @@ class Memcpy:
         self.device, pin = device, device.type == "cuda"
         # Pinned from the GPU's CPUs, as the engines' arenas are (``transfer/numa.py``): the
         # ceiling is the copy between the GPU and its own node's memory.
-        with near_gpu((torch.cuda.current_device() if device.index is None else device.index) if pin else None):
+        with near_gpu(device):
             self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
             self.host.random_(0, 255)
             self._host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None

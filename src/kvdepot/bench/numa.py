@@ -68,7 +68,7 @@ def placement(buffers: dict[str, Sequence[torch.Tensor]], device: torch.device) 
     """One line: this process's CPUs and their nodes, the GPU's (its PCI slot's local CPUs), and
     each named buffer's sampled pages by node (a buffer in several allocations: all of them)."""
     nodes = node_cpus()
-    gpu = gpu_cpus(torch.cuda.current_device() if device.index is None else device.index) if device.type == "cuda" else None
+    gpu = gpu_cpus(device)
     mine = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()  # Linux
     parts = [f"CPUs {cpus_text(mine, nodes) if mine else '?'}", f"GPU's CPUs {cpus_text(gpu, nodes) if gpu else '?'}"]
     for name, tensors in buffers.items():

@@ -30,8 +30,20 @@ def cpulist(text: str) -> set[int]:
     return cpus
 
 
-def gpu_cpus(device: int, root: Path = PCI_DEVICES) -> set[int] | None:
-    """``local_cpulist`` of the GPU's PCI device in sysfs; None if it cannot be found."""
+def cuda_index(device: torch.device | int | None) -> int | None:
+    """The CUDA device's index (a bare ``cuda`` means the current one); None for any other device."""
+    if device is None or isinstance(device, int):
+        return device
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def gpu_cpus(device: torch.device | int | None, root: Path = PCI_DEVICES) -> set[int] | None:
+    """``local_cpulist`` of the GPU's PCI device in sysfs; None if it cannot be found (or
+    ``device`` is not a GPU)."""
+    if (device := cuda_index(device)) is None:
+        return None
     try:
         props = torch.cuda.get_device_properties(device)
         ids = [getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device")]
@@ -49,11 +61,11 @@ def gpu_cpus(device: int, root: Path = PCI_DEVICES) -> set[int] | None:
 
 
 @contextlib.contextmanager
-def near_gpu(device: int | None) -> Iterator[None]:
+def near_gpu(device: torch.device | int | None) -> Iterator[None]:
     """Run on the CPUs of GPU ``device``'s NUMA node (threads started meanwhile keep them), so the
     memory this thread and its children touch first — a pinned arena — sits next to the GPU. The
-    calling thread gets its own CPUs back after. No-op where unknown, not Linux, or where the
-    thread may not run there."""
+    calling thread gets its own CPUs back after. No-op for None or a device that is not a GPU,
+    where unknown, not Linux, or where the thread may not run there."""
     cpus = gpu_cpus(device) if device is not None and hasattr(os, "sched_setaffinity") else None
     allowed = os.sched_getaffinity(0) if cpus else set()
     near = cpus & allowed if cpus else set()
