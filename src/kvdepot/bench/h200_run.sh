@@ -10,6 +10,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 KVDEPOT_LOG_LEVEL=WARNING
 steps=${*:-tests transfer demo ttft mp}
+OPS256="python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15"  # issue 19's 256-block operations
+SMALL="--layers 16 --head-dim 64 --tokens-per-block 8"  # its 256 KiB-block shape (the 1B model, 8 tokens a block)
+DISK="python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
 for step in $steps; do
@@ -40,7 +43,7 @@ for step in $steps; do
           python3 -m kvdepot.cli bench mp --blocks 64 --lookups 500
         } 2>&1 | tee "$OUT/mp.txt" ;;
     tiers) mkdir -p /tmp/kvd-disk; df -T /tmp/kvd-disk | tail -1
-           python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/tiers.txt" ;;
+           $DISK 2>&1 | tee "$OUT/tiers.txt" ;;
     stall) mkdir -p /tmp/kvd-disk  # the step loop beside write-behind to disk: lent slots against bytes copies (~1 min)
       python3 -m kvdepot.cli bench tiers --parts stall --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/stall.txt" | tail -5 ;;
     pieces) mkdir -p /tmp/kvd-disk  # get_into by read setting (MiB:depth), one process, each read paired with a raw read
@@ -66,15 +69,15 @@ for step in $steps; do
     contexts) python3 -m kvdepot.cli bench contexts 2>&1 | tee "$OUT/contexts.txt" ;;  # MP's per-layer toll: where the server records
     dma) python3 -m kvdepot.cli bench dma 2>&1 | tee "$OUT/dma.txt" ;;  # the copy engines' ceiling for scattered blocks
     anatomy19) # where a 256-block store's and retrieve's time goes (timing events, no profiler): 256 KiB and 1 MiB blocks
-      for shape in "--layers 16 --head-dim 64 --tokens-per-block 8" "--tokens-per-block 8"; do
-        python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 --anatomy $shape 2>&1 | grep -E "^batch"
+      for shape in "$SMALL" "--tokens-per-block 8"; do
+        $OPS256 --anatomy $shape 2>&1 | grep -E "^batch"
       done 2>&1 | tee "$OUT/anatomy19.txt" ;;
     goals19) # every figure issue 19's closing note asks for, in one call (~8 min): transfer rows, TTFT, first hit, disk;
              # the 256 KiB shape in SMALL_PROCS processes (default 3): its idle-GPU rows move 10+ points with the process
-      for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "--layers 16 --head-dim 64 --tokens-per-block 8"; do
-        procs=1; [ "$shape" = "--layers 16 --head-dim 64 --tokens-per-block 8" ] && procs=${SMALL_PROCS:-3}
+      for shape in "" "--tokens-per-block 8" "--layers 16 --head-dim 64" "$SMALL"; do
+        procs=1; [ "$shape" = "$SMALL" ] && procs=${SMALL_PROCS:-3}
         for _ in $(seq "$procs"); do
-          python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 $shape 2>&1 | grep -E "^(kvdepot bench|batch|NUMA)"
+          $OPS256 $shape 2>&1 | grep -E "^(kvdepot bench|batch|NUMA)"
         done
       done 2>&1 | tee "$OUT/goals19_transfer.txt"
       KVDEPOT_HOST_CAPACITY_GB=48 python3 -m kvdepot.cli bench ttft --modes in-process,mp --lengths 4096,16384,32768 \
@@ -83,15 +86,14 @@ for step in $steps; do
       python3 -m kvdepot.cli bench firsthit --length 4096 --hits 4 --warmup on --processes ${FIRST_PROCESSES:-3} 2>&1 \
         | tee "$OUT/goals19_firsthit.txt" | tail -7
       mkdir -p /tmp/kvd-disk
-      python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/goals19_disk.txt" | tail -6 ;;
+      $DISK 2>&1 | tee "$OUT/goals19_disk.txt" | tail -6 ;;
     unmet19) # the two goals still unmet on the H200, alone (~3 min, for a short device window): the 256 KiB shape's
              # 256-block rows in SMALL_PROCS processes (2), then disk get_into over raw reads
       for _ in $(seq ${SMALL_PROCS:-2}); do
-        python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 --layers 16 --head-dim 64 \
-          --tokens-per-block 8 2>&1 | grep -E "^(kvdepot bench|batch|NUMA)"
+        $OPS256 $SMALL 2>&1 | grep -E "^(kvdepot bench|batch|NUMA)"
       done 2>&1 | tee "$OUT/unmet19_transfer.txt"
       mkdir -p /tmp/kvd-disk
-      python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk 2>&1 | tee "$OUT/unmet19_disk.txt" | tail -6 ;;
+      $DISK 2>&1 | tee "$OUT/unmet19_disk.txt" | tail -6 ;;
     firsthit19) # whose is the first hit's toll: the engine's warm-up on/off (a process each), then off with
                 # every kernel loaded at start (CUDA_MODULE_LOADING=EAGER): gone there = lazy kernel loading
       { python3 -m kvdepot.cli bench firsthit --length 4096 --hits 4
@@ -142,8 +144,7 @@ for step in $steps; do
       { lscpu | grep -E "^(Model name|Socket|NUMA|Core|Thread|CPU\(s\))"; nvidia-smi topo -m 2>&1 | head -4
         n=$(nproc); parts=$(( n < 4 ? n : 4 )); q=$(( n / parts ))  # CPUs per process
         for round in $(seq ${CPUS_ROUNDS:-2}); do for k in $(seq 0 $((parts - 1))); do cpus="$((k * q))-$((k * q + q - 1))"; echo "## cpus $cpus"
-          taskset -c "$cpus" python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15 \
-            --layers 16 --head-dim 64 --tokens-per-block 8 ${CPUS_HEADS:+--store-head-mib $CPUS_HEADS} 2>&1 \
+          taskset -c "$cpus" $OPS256 $SMALL ${CPUS_HEADS:+--store-head-mib $CPUS_HEADS} 2>&1 \
             | grep -E "^kvdepot bench|^NUMA|^batch .*  (store|retrieve)  "
         done; done
       } 2>&1 | tee "$OUT/cpus.txt" ;;
