@@ -87,7 +87,7 @@ for step in $steps; do
         | tee "$OUT/goals19_firsthit.txt" | tail -7
       mkdir -p /tmp/kvd-disk
       $DISK 2>&1 | tee "$OUT/goals19_disk.txt" | tail -6 ;;
-    unmet19) # the two goals still unmet on the H200, alone (~3 min, for a short device window): the 256 KiB shape's
+    unmet19) # the two goals still unmet on the H200, alone (~30 s on an H100 host, for a short device window): the 256 KiB shape's
              # 256-block rows in SMALL_PROCS processes (2), then disk get_into over raw reads
       for _ in $(seq ${SMALL_PROCS:-2}); do
         $OPS256 $SMALL 2>&1 | grep -E "^(kvdepot bench|batch|NUMA)"
