@@ -15,7 +15,8 @@ import pytest
 import kvdepot
 import kvdepot.engine
 import kvdepot.keys
-from kvdepot.bench import ab
+from kvdepot.bench import ab, common
+from kvdepot.transfer import native
 
 
 def _old_tree(tmp_path: Path) -> Path:
@@ -55,8 +56,13 @@ def test_both_trees_are_timed_round_by_round_on_cpu(tmp_path, kvdepot_env_cleare
     assert [r["op"] for r in rows] == ["store", "retrieve"]  # both at once: CUDA only
     assert all(r["old ratio"] > 0 and r["new ratio"] > 0 for r in rows)
     assert all(isinstance(r["new - old points"], float) for r in rows)
+    out = capsys.readouterr().out
     # Each tree's own arena, in build order (--first old), where the same tree read apart (issue 19).
-    assert re.search(r"^NUMA: CPUs .*; old arena pages .*; new arena pages .*; memcpy pages ", capsys.readouterr().out, re.M)
+    assert re.search(r"^NUMA: CPUs .*; old arena pages .*; new arena pages .*; memcpy pages ", out, re.M)
+    # Where each tree's copy lists come from (the copy holds this tree's C helper, if built).
+    lists = "C helper" if native.NATIVE is not None else "Python"
+    assert f"copy lists by {lists} (new), {lists} (old)" in out
+    assert common.c_helper("kvdepot_no_such_tree") == "Python (no C helper in this tree)"
 
 
 def test_bad_input_names_the_option_and_what_it_takes(tmp_path, kvdepot_env_cleared):

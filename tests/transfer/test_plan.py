@@ -1,6 +1,8 @@
 """``kvdepot.transfer.plan``: the batch mover's copy lists, executed on the CPU (they are address
 arithmetic): exactly the bytes the reference mover moves, one copy per maximal run, never a run
-across two allocations, and a plan that goes with its pool."""
+across two allocations, and a plan that goes with its pool. Where the C helper is built
+(``native.NATIVE``), ``head_list`` and one-view ``copy_list`` are its lists: the tests here run
+on them, and ``test_native.py`` checks them equal to the Python ones."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from kvdepot.bench.common import Memcpy, device_name, host_python_us, paired_seconds
+from kvdepot.bench.common import Memcpy, c_helper, device_name, host_python_us, paired_seconds
 from kvdepot.bench.numa import placement
 from kvdepot.bench.report import Report, add_output_arguments
 
@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 sys.path.remove(into)  # the copy goes with the directory
     report.table(f"kvdepot bench ab — {device_name(device)}; {nbytes / 2**20:.0f} MiB per op, {args.rounds} rounds, "
                  f"{args.first} built first; ratio = memcpy seconds / op seconds, paired; host Python "
-                 f"{host_python_us():.0f} us per reference loop", op=10)
+                 f"{host_python_us():.0f} us per reference loop; copy lists by {c_helper()} (new), "
+                 f"{c_helper('kvdepot_old')} (old)", op=10)
     for op in ops:
         new, old = ratios[("new", op)], ratios[("old", op)]
         report.add({"op": op, "old ratio": statistics.median(old), "new ratio": statistics.median(new),

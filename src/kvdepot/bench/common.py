@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -296,6 +297,17 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return "cpu"
+
+
+def c_helper(package: str = "kvdepot") -> str:
+    """Where a tree's copy lists and driver calls come from, for a title: "C helper" (its
+    ``transfer.native`` was built), "Python" (not built), or "Python (no C helper in this tree)"
+    (a tree from before it): the 256 KiB rows differ by it (issue 19)."""
+    try:
+        native = importlib.import_module(f"{package}.transfer.native")
+    except ImportError:
+        return "Python (no C helper in this tree)"
+    return "C helper" if native.NATIVE is not None else "Python"
 
 
 def host_python_us(reps: int = 7) -> float:

@@ -24,6 +24,7 @@ from kvdepot.bench import call_anatomy
 from kvdepot.bench.common import (
     Memcpy,
     behind_work_seconds,
+    c_helper,
     compute_share,
     device_name,
     gpu_timeline,
@@ -104,7 +105,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                     bars=Bars(("mover", "op"), ("GB/s", "memcpy GB/s"), "GB/s"), name="bench transfer")
     if device.type != "cuda":
         report.note("(CPU: the both-directions rows and the compute-share row need two copy engines and SMs; not measured)")
-    report.table(f"kvdepot bench transfer — {device_name(device)}; host Python {host_python_us():.0f} us per reference loop",
+    report.table(f"kvdepot bench transfer — {device_name(device)}; host Python {host_python_us():.0f} us per reference loop; "
+                 f"copy lists by {c_helper()}",
                  mover=22, op=29)
     parts = [(_label(name, variant), _run_one(args, name, report, variant)) for name, variant in runs]
     for key, title in (("timeline", "timeline of one call (ms; --timeline)"),

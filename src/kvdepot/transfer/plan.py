@@ -7,7 +7,7 @@ operation's in a few numpy calls.
     copy_list(plan, copies, to_host) -> CopyList   one copy per maximal run of blocks that follow
                                      each other in the pool and in the host buffers
     head_list(plan, copies, to_host, max_bytes, max_copies) -> (CopyList, bytes, rest)   a move's
-                                     first copies in plain Python, and the chunk parts left (one view)
+                                     first copies without numpy, and the chunk parts left (one view)
     block_addresses(plan, copies) -> (pool, host)  every listed block's addresses (one view)
 
 Why a plan: block ``b`` of view ``v`` lives at ``base[v] + b * stride[v]`` for as long as the pool
@@ -16,6 +16,10 @@ every registration: a plan never outlives its pool). An operation then costs one
 over its chunks (each host slot's address and allocation, read live: a slot is only valid for
 the operation that holds it) and ~15 numpy calls for one view: it used to cost ~40 calls, which
 at ~1-2 us each was most of a 256-block operation's host time before its first copy (issue 19).
+
+Where the optional C helper is built (``native.NATIVE``), one-view lists (``head_list``, and
+``copy_list`` of one view) are made by it, in one call: the same lists (tests compare them with
+the Python ones, ``_head_list_py`` and ``_one_view``) for ~1/5 of the host time.
 
 A run never crosses from one allocation into another, even where two lie back to back in the
 address space (pinned arena segments often do): the driver refuses such a copy
@@ -33,6 +37,7 @@ from types import MappingProxyType
 import numpy as np
 import torch
 
+from kvdepot.transfer import native
 from kvdepot.transfer.base import ChunkCopy
 
 
@@ -94,8 +99,8 @@ class CopyList:
     address) with a tensor in it, gathered in the pass that reads their addresses: a driver that
     needs pinned memory checks these, not every chunk again.
 
-    ``of_rows`` makes one from Python lists without numpy (``array.array``): the table and
-    ``ends`` are then made only if asked for. A numpy call costs 5-15x its hot-loop time when
+    ``of_rows`` makes one from Python lists without numpy (``array.array``), ``of_raw`` from the
+    C helper's bytes: the table and ``ends`` are then made only if asked for. A numpy call costs 5-15x its hot-loop time when
     an operation starts on a GPU host whose caches the last operation's DMA swept (issue 19)."""
 
     def __init__(self, table: np.ndarray, hosts: Mapping[int, torch.Tensor] = _NO_HOSTS) -> None:
@@ -112,10 +117,15 @@ class CopyList:
         raw = array.array("q", dst)
         raw.extend(src)
         raw.extend(sizes)
+        return cls.of_raw(raw, raw.buffer_info()[0] if sizes else 0, len(sizes), hosts)
+
+    @classmethod
+    def of_raw(cls, raw: array.array[int] | bytes, address: int, count: int,
+               hosts: Mapping[int, torch.Tensor] = _NO_HOSTS) -> CopyList:
+        """From a buffer of three rows of ``count`` int64 at ``address``, which it keeps alive."""
         listing = cls.__new__(cls)
         listing._table, listing._raw, listing._ends = None, raw, None
-        listing.count, listing.hosts = len(sizes), hosts
-        listing.address = raw.buffer_info()[0] if sizes else 0
+        listing.count, listing.hosts, listing.address = count, hosts, address
         return listing
 
     @property
@@ -153,6 +163,8 @@ def copy_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool) -> 
     """One copy per maximal run of listed block segments that follow each other both in the pool
     and in the host buffers (one contiguous span on each side, in one allocation each), over all
     views in order; rows ordered for the direction (``to_host``: host <- pool)."""
+    if plan.views == 1 and native.NATIVE is not None:
+        return _native_list(plan, copies, to_host, _NO_LIMIT, _NO_LIMIT)[0]
     hosts: dict[int, torch.Tensor] = {}
     table = _one_view(plan, copies, to_host, hosts) if plan.views == 1 else _many_views(plan, copies, to_host, hosts)
     return CopyList(table if table is not None else np.zeros((3, 0), dtype=np.int64), hosts)
@@ -255,10 +267,27 @@ def _many_views(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool,
     return table
 
 
+_NO_LIMIT = (1 << 63) - 1
+
+
+def _native_list(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool, max_bytes: int,
+                 max_copies: int) -> tuple[CopyList, int, list[ChunkCopy]]:
+    """``head_list`` by the C helper (which keeps ``head_list``'s rules)."""
+    base, stride, seg = plan.first
+    raw, address, count, taken, index, k, hosts = native.NATIVE.list_one_view(  # type: ignore[union-attr]
+        base, stride, seg, copies, to_host, min(max_bytes, _NO_LIMIT), min(max_copies, _NO_LIMIT))
+    rest = list(copies[index + 1 if k else index :])
+    if k:
+        c = copies[index]
+        rest.insert(0, ChunkCopy(c.block_ids[k:], c.host, c.first + k))
+    return CopyList.of_raw(raw, address, count, hosts), taken, rest
+
+
 def head_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool, max_bytes: int,
               max_copies: int) -> tuple[CopyList, int, list[ChunkCopy]]:
     """The first copies of a one-view move, about ``max_bytes`` in at most ``max_copies`` copies,
-    built in plain Python; their bytes; and the chunk parts left.
+    built without numpy (by the C helper where it is built, else ``_head_list_py``); their
+    bytes; and the chunk parts left.
 
     Why: ``copy_list`` costs ~15 numpy calls whatever the size, and on the H200's host each
     costs several microseconds when an operation starts (issue 19: 80-150 us for 256 blocks, most
@@ -266,6 +295,15 @@ def head_list(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool, max
     cost ~1 us each there, so the copy engines start on them at once and copy while the rest of
     the list is built. Runs merge as in ``copy_list``; a chunk may be split between the two parts
     (its rest starts a new copy, one more than ``copy_list`` alone would make)."""
+    assert plan.views == 1
+    if native.NATIVE is not None:
+        return _native_list(plan, copies, to_host, max_bytes, max_copies)
+    return _head_list_py(plan, copies, to_host=to_host, max_bytes=max_bytes, max_copies=max_copies)
+
+
+def _head_list_py(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool, max_bytes: int,
+                  max_copies: int) -> tuple[CopyList, int, list[ChunkCopy]]:
+    """``head_list`` in plain Python."""
     assert plan.views == 1
     base, stride, seg = plan.first  # not numpy scalars: each costs microseconds cold
     pool_at: list[int] = []
