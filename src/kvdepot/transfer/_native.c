@@ -179,7 +179,9 @@ static PyObject *list_one_view(PyObject *self, PyObject *args) {
     if (left < 0)
         return NULL;
     Py_ssize_t cap = left < max_copies ? left : max_copies;
-    Lister l = {base, stride, seg, max_bytes, max_copies, 0, 0, -1, -1, -1, -1, NULL, NULL, NULL, NULL};
+    /* At most ``cap`` copies, the rows' length: even if a list grew while it was read (another
+       thread, or Python code run by a tensor's method), nothing is written past them. */
+    Lister l = {base, stride, seg, max_bytes, cap, 0, 0, -1, -1, -1, -1, NULL, NULL, NULL, NULL};
     int64_t *rows = PyMem_Malloc(sizeof(int64_t) * 3 * (cap ? cap : 1));
     l.hosts = PyDict_New();
     if (rows == NULL || l.hosts == NULL) {
