@@ -100,8 +100,9 @@ class CopyList:
     needs pinned memory checks these, not every chunk again.
 
     ``of_rows`` makes one from Python lists without numpy (``array.array``), ``of_raw`` from the
-    C helper's bytes: the table and ``ends`` are then made only if asked for. A numpy call costs 5-15x its hot-loop time when
-    an operation starts on a GPU host whose caches the last operation's DMA swept (issue 19)."""
+    C helper's bytes: the table and ``ends`` are then made only if asked for. A numpy call costs
+    5-15x its hot-loop time when an operation starts on a GPU host whose caches the last
+    operation's DMA swept (issue 19)."""
 
     def __init__(self, table: np.ndarray, hosts: Mapping[int, torch.Tensor] = _NO_HOSTS) -> None:
         self._table: np.ndarray | None = table
