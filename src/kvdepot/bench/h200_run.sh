@@ -9,6 +9,10 @@ set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1 KVDEPOT_LOG_LEVEL=WARNING
+# The C helper (setup.py): carried as src/kvdepot/transfer/_native.abi3.so, or built here where a compiler is;
+# without either the Python path runs (the bench titles say which).
+ls src/kvdepot/transfer/_native*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace >/dev/null 2>&1 \
+  || echo "no C helper: not carried, and it cannot be built here"
 steps=${*:-tests transfer demo ttft mp}
 OPS256="python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15"  # issue 19's 256-block operations
 SMALL="--layers 16 --head-dim 64 --tokens-per-block 8"  # its 256 KiB-block shape (the 1B model, 8 tokens a block)
