@@ -113,7 +113,7 @@ def test_no_reference_is_kept_or_lost():
 _BATCH = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
 _NAME = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
-_ERROR = ctypes.c_char_p(b"CUDA_ERROR_PLAYED")
+_ERROR = b"CUDA_ERROR_PLAYED"  # alive as long as the module: the driver's names are static strings
 
 
 @pytest.mark.parametrize("c_helper", [True, False])
@@ -128,7 +128,7 @@ def test_the_driver_gets_the_same_call_through_the_helper_as_through_ctypes(monk
         return 0 if len(seen) == 1 else 1
 
     def name(rc, out):
-        out[0] = _ERROR.value
+        out[0] = _ERROR
         return 0
 
     fn, error_name = _BATCH(batch), _NAME(name)
