@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -139,6 +141,32 @@ def test_the_driver_gets_the_same_call_through_the_helper_as_through_ctypes(monk
     assert seen == [([11, 12], [21, 22], [6, 7], *cuda_batch._ARGS, 1, 99)]
     with pytest.raises(RuntimeError, match=r"CUDA_ERROR_PLAYED \(1\)"):
         cuda_batch.memcpy_batch(listing, 0, 1, 99)
+
+
+def test_other_threads_run_python_while_the_driver_call_runs():
+    """The driver spends host time per copy; the engine's step loop must not wait for it behind
+    the GIL (the ctypes call released it too). libc's ``usleep`` stands in for the driver: its
+    first argument is the sleep, the rest are ignored by the C calling convention. A thread
+    beside it notes its longest pause between two turns of a loop: 200 ms if the call held the
+    GIL throughout."""
+    usleep = ctypes.cast(ctypes.CDLL(None).usleep, ctypes.c_void_p).value
+    longest, done = [0.0], threading.Event()
+
+    def loop():
+        last = time.monotonic()
+        while not done.is_set():
+            now = time.monotonic()
+            longest[0], last = max(longest[0], now - last), now
+
+    beside = threading.Thread(target=loop)
+    beside.start()
+    try:
+        time.sleep(0.01)
+        assert NATIVE.batch_call(usleep, 200_000, 0, 0, 0, 0, 0, 0, 0) == 0
+    finally:
+        done.set()
+        beside.join()
+    assert longest[0] < 0.15, longest
 
 
 def test_the_plan_uses_the_helper_where_it_is_built(monkeypatch):
