@@ -2,8 +2,9 @@
 
 It is built where a C compiler and CPython >= 3.11 are at hand, against the limited API (one
 abi3 binary for 3.11 on), and skipped with a warning where the build fails: ``pip install``
-never needs a compiler, and kvdepot does the same work in Python without it (slower by ~10-20 us
-per block move's first copies on a GPU host; docs/perf-notes.md, issue 19).
+never needs a compiler, and kvdepot does the same work in Python without it (a few microseconds
+more per window of copies; on an H100, 0.5-1.7 points of a 256 KiB-block move against memcpy:
+docs/perf-notes.md, issue 19, twenty-fifth pass).
 """
 
 import sys
