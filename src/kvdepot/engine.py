@@ -278,15 +278,15 @@ class CacheEngine(PoolsOwner):
         self._check_lead(block_ids, 0, check)
         bpc = self.layout.blocks_per_chunk
         first = len(keys) if check is None else min(len(keys), -(-self._lead_blocks // bpc))
-        booked = self._book(keys, 0, first)
+        booked = self._book(keys, block_ids, 0, first)
         if not booked and first < len(keys):  # the lead's chunks are all cached: no lead to start with
-            booked, first = self._book(keys, first, len(keys)), len(keys)
+            booked, first = self._book(keys, block_ids, first, len(keys)), len(keys)
         stored = [keys[c] for c, _ in booked]
 
         def rollback() -> None:
             self.host.commit_many(stored, False)
 
-        copies = [ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot) for c, slot in booked]
+        copies = [copy for _, copy in booked]
         # The lead's ids were checked as the list's positions ``start..start+lead``: it must not
         # reach past a cached chunk into later positions, whose ids are not checked yet.
         run = next((n for n, (c, _) in enumerate(booked) if c != booked[0][0] + n), len(booked))
@@ -318,10 +318,10 @@ class CacheEngine(PoolsOwner):
 
                 def check_then_book() -> None:  # while the lead copies; a bad id books nothing more
                     whole_list()  # type: ignore[misc]
-                    more = self._book(keys, first, len(keys))
+                    more = self._book(keys, block_ids, first, len(keys))
                     booked.extend(more)
                     stored.extend(keys[c] for c, _ in more)
-                    rest.extend(ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot) for c, slot in more)
+                    rest.extend(copy for _, copy in more)
 
                 check = check_then_book
             move = LateMove(lambda: mover.prepare_gather(views, rest))
@@ -336,14 +336,16 @@ class CacheEngine(PoolsOwner):
             self._stats.store_seconds += time.perf_counter() - started
         return StoreHandle(self._transfers, len(booked), token)
 
-    def _book(self, keys: Sequence[ChunkKey], lo: int, hi: int) -> list[tuple[int, torch.Tensor]]:
+    def _book(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], lo: int, hi: int) -> list[tuple[int, ChunkCopy]]:
         """Book host slots for chunks ``lo..hi-1`` of a store (evicting as needed): (chunk index,
-        slot) of each one placed; a chunk already cached, or one no slot could be found for, is
-        left out."""
+        its copy into its slot) of each one placed; a chunk already cached, or one no slot could
+        be found for, is left out."""
+        bpc = self.layout.blocks_per_chunk
         with self._lock:
             self._poll_locked()
             slots = self.host.reserve_many(keys[lo:hi])  # drops are counted by the tier (``stats``)
-        return [(lo + n, slot) for n, slot in enumerate(slots) if slot is not None]
+            return [(c, ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot, 0, self.host.span(keys[c])))
+                    for c, slot in enumerate(slots, lo) if slot is not None]
 
     def _provider(self, key: ChunkKey) -> Callable[[], Lent | None]:
         """Write-behind lends a committed chunk's host slot in place, pinned until the tiers have

@@ -265,7 +265,7 @@ class LoadPath:
         copies = []
         for c, key in enumerate(cached, lo):
             start, end = max(c * bpc, skip_blocks), min((c + 1) * bpc, end_block)  # this chunk's blocks to load
-            copies.append(ChunkCopy(block_ids[start:end], self.host.slot(key), start - c * bpc))
+            copies.append(ChunkCopy(block_ids[start:end], self.host.slot(key), start - c * bpc, self.host.span(key)))
         return copies
 
 

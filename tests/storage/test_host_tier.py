@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from fakes import FakeClock
 from kvdepot.storage import host as host_module
+from kvdepot.storage.budget import HostBudget
 from kvdepot.storage.host import HostTier
 from kvdepot.storage.policy import POLICIES, LRUPolicy
 
@@ -271,6 +272,36 @@ def test_arena_grows_in_segments_up_to_capacity(monkeypatch):
     assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
     assert put(tier, key(7), 7) is not None and tier.stats().evictions == 1  # full: evict, never grow
     assert tier.stats().used_bytes == 7 * SLOT <= tier.stats().capacity_bytes
+
+
+def test_a_slot_s_span_is_where_torch_says_it_is_as_segments_come_and_go():
+    """``span`` stands for torch's answer in every copy list the movers make: a wrong one would
+    copy to or from the wrong bytes. Checked over growth, a reclaim that gives segments back to
+    another arena, and the growth after it (new slot indices)."""
+    budget = HostBudget(16 * SLOT)
+    tier = HostTier(16 * SLOT, SLOT, clock=FakeClock())
+    tier.share_budget(budget)  # segments of one slot: 1/16 of the budget
+
+    def check() -> None:
+        held = [k for k in map(key, range(40)) if tier.contains(k)]
+        assert held
+        for k in held:
+            slot = tier.slot(k)
+            assert tier.span(k) == (slot.data_ptr(), slot.untyped_storage().data_ptr())
+
+    for i in range(16):
+        put(tier, key(i), i)
+    check()
+    other = HostTier(16 * SLOT, SLOT, clock=FakeClock())
+    other.share_budget(budget)  # shares of 8 slots each: 8 may go
+    assert tier.give_back(4 * SLOT) == 4 * SLOT and tier.allocated_slots == 12
+    check()
+    budget.leave(other)
+    for i in range(16, 40):
+        put(tier, key(i), i)
+    assert tier.allocated_slots == 16
+    check()
+    tier.close()
 
 
 def test_lru_policy_order_and_registry():

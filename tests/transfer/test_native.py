@@ -93,6 +93,38 @@ def test_block_ids_of_any_integer_sequence_and_clear_errors_for_anything_else():
         NATIVE.list_one_view(0, 8, 0, [], True, 1, 1)
 
 
+@pytest.mark.parametrize("c_helper", [True, False])
+def test_a_given_span_is_what_the_lists_use(monkeypatch, c_helper):
+    """A chunk part's ``span`` (the host tier's note of its slot) stands for torch's answer, in
+    both listers: the addresses listed, the allocation met, and the parts left, which keep it."""
+    monkeypatch.setattr(native, "NATIVE", NATIVE if c_helper else None)
+    pool = torch.zeros(10, 8, dtype=torch.uint8)
+    arena = torch.zeros(4 * 8, dtype=torch.uint8)
+    plan_ = make_plan([pool])
+    given = ChunkCopy([3, 4, 6], arena, 1, (1 << 20, 1 << 19))  # not where torch would say
+    listing = plan.copy_list(plan_, [given], to_host=True)
+    assert _rows(listing) == [((1 << 20) + 8, pool.data_ptr() + 24, 16), ((1 << 20) + 24, pool.data_ptr() + 48, 8)]
+    assert list(listing.hosts) == [1 << 19]
+    head, taken, rest = plan.head_list(plan_, [given], to_host=False, max_bytes=8, max_copies=4)
+    assert _rows(head) == [(pool.data_ptr() + 24, (1 << 20) + 8, 8)] and taken == 8
+    assert [(list(c.block_ids), c.first, c.span) for c in rest] == [([4, 6], 2, (1 << 20, 1 << 19))]
+    asked = ChunkCopy([3], arena)
+    assert _rows(plan.copy_list(plan_, [asked], to_host=True)) == [(arena.data_ptr(), pool.data_ptr() + 24, 8)]
+
+
+def test_a_span_that_is_not_two_ints_is_a_clear_error():
+    pool = torch.zeros(10, 8, dtype=torch.uint8)
+    arena = torch.zeros(4 * 8, dtype=torch.uint8)
+    for span in ((1,), [1, 2], "ab", (1, 2, 3)):
+        with pytest.raises(TypeError, match="span must be None or"):
+            NATIVE.list_one_view(0, 8, 8, [ChunkCopy([1], arena, 0, span)], True, 64, 4)
+    with pytest.raises(TypeError):
+        NATIVE.list_one_view(0, 8, 8, [ChunkCopy([1], arena, 0, (1, "x"))], True, 64, 4)
+    with pytest.raises(OverflowError):
+        NATIVE.list_one_view(0, 8, 8, [ChunkCopy([1], arena, 0, (1 << 64, 0))], True, 64, 4)
+    del pool
+
+
 def test_no_reference_is_kept_or_lost():
     """Every object the helper touches has the reference count it had before, after thousands of
     calls, stopped mid-chunk, run to the end, and failed."""
@@ -100,15 +132,17 @@ def test_no_reference_is_kept_or_lost():
     plan_ = make_plan([pool])
     hosts = [torch.zeros(16 * 8, dtype=torch.uint8) for _ in range(3)]
     ids = [list(range(k, 64, 4))[:16] for k in range(3)]
-    copies = [ChunkCopy(i, h) for i, h in zip(ids, hosts, strict=True)]
-    bad = [ChunkCopy([1, "x"], hosts[0])]
-    watched = [*hosts, *ids, copies, *copies, *bad, bad]
+    spans = [None, (hosts[1].data_ptr(), hosts[1].untyped_storage().data_ptr()), None]
+    copies = [ChunkCopy(i, h, 0, s) for i, h, s in zip(ids, hosts, spans, strict=True)]
+    bad = [ChunkCopy([1, "x"], hosts[0]), ChunkCopy([1], hosts[2], 0, (1,))]
+    watched = [*hosts, *ids, spans[1], copies, *copies, *bad, bad]
     before = [sys.getrefcount(o) for o in watched]
     for _ in range(2000):
         NATIVE.list_one_view(*plan_.first, copies, True, 5 * 8, 4)
         NATIVE.list_one_view(*plan_.first, copies, False, 1 << 40, 1 << 20)
-        with pytest.raises(TypeError):
-            NATIVE.list_one_view(*plan_.first, bad, True, 1 << 40, 1 << 20)
+        for k in range(len(bad)):
+            with pytest.raises(TypeError):
+                NATIVE.list_one_view(*plan_.first, bad[k : k + 1], True, 1 << 40, 1 << 20)
     assert [sys.getrefcount(o) for o in watched] == before
 
 

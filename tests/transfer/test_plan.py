@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pools import HostDriver, cases, make_pool, random_bytes
 
 from kvdepot.transfer import BatchBlockMover, TorchBlockMover
-from kvdepot.transfer.base import ChunkCopy
+from kvdepot.transfer.base import ChunkCopy, host_span
 from kvdepot.transfer.plan import (
     PoolViews,
     block_addresses,
@@ -37,7 +37,8 @@ def _chunked(ids, data, per_block, gen, adjacent: bool):
     """Split ids into chunks of random sizes at random first positions; ``adjacent``: the chunks'
     buffers are back-to-back slices of one arena (so runs may cross chunk boundaries), cut at
     random chunk boundaries into separate allocations that still lie back to back (pinned arena
-    segments do), across which no run may go."""
+    segments do), across which no run may go. Each chunk's addresses are given with it (``span``,
+    as the host tier gives them) or not, at random."""
     sizes = []
     while len(ids) > sum(sizes):
         sizes.append(data.draw(st.integers(1, len(ids) - sum(sizes))))
@@ -51,7 +52,8 @@ def _chunked(ids, data, per_block, gen, adjacent: bool):
             end = next((i for i in sorted(cuts) if i > k), len(sizes))
             owner, owner_at = torch.from_numpy(memory[at * per_block : (at + sum(lengths[k:end])) * per_block]), at
         host = owner[(at - owner_at) * per_block : (at - owner_at + length) * per_block]
-        copies.append(ChunkCopy(ids[used : used + n], host, first))
+        span = host_span(host) if data.draw(st.booleans()) else None  # given (the host tier's) or asked
+        copies.append(ChunkCopy(ids[used : used + n], host, first, span))
         at, used = at + length, used + n
     return copies
 

@@ -84,6 +84,7 @@ class HostTier:
         self._per_segment = max(1, min(self.num_slots, SEGMENT_BYTES // slot_bytes))
         self._segments: list[_Segment] = []
         self._slot_views: list[torch.Tensor] = []  # slot index -> its view (made once: ~5 us each)
+        self._slot_spans: list[tuple[int, int] | None] = []  # slot index -> ``span`` (made with the view)
         # False when the owner pins segments on a thread of its own: a store then never waits
         # for cudaHostAlloc (it evicts, or drops and counts, until memory arrives), and calls
         # ``on_short`` when it found no free slot in an arena that may still grow.
@@ -124,7 +125,7 @@ class HostTier:
         (its owner has finished every copy). Idempotent."""
         if self._budget is not None:
             self._budget.leave(self)
-        self._segments, self._slot_views, self._free = [], [], []
+        self._segments, self._slot_views, self._slot_spans, self._free = [], [], [], []
         self._slot_of, self._ready, self._pins, self._leases = {}, set(), {}, {}
         self._allocated = self.num_slots = 0
 
@@ -132,6 +133,14 @@ class HostTier:
     def slot(self, key: ChunkKey) -> torch.Tensor:
         """The 1-D uint8 memory of ``key``'s slot. Only for a writer or a lease holder."""
         return self._slot_views[self._slot_of[key]]
+
+    def span(self, key: ChunkKey) -> tuple[int, int]:
+        """``key``'s slot address and its allocation's (``transfer.base.ChunkCopy.span``), noted
+        when the slot was made: asking torch (``data_ptr()``) costs ~8 us a call as an operation
+        starts with the caches cold, two per chunk (issue 19). Only for a writer or a lease holder."""
+        span = self._slot_spans[self._slot_of[key]]
+        assert span is not None  # a given-back segment's slots hold no key
+        return span
 
     @property
     def segments(self) -> tuple[torch.Tensor, ...]:
@@ -193,6 +202,8 @@ class HostTier:
         first = len(self._slot_views)  # indices of given-back segments are never reused
         self._segments.append(_Segment(first, segment))
         self._slot_views.extend(segment.unbind(0))
+        at, alloc, size = segment.data_ptr(), segment.untyped_storage().data_ptr(), segment.stride(0) * segment.element_size()
+        self._slot_spans.extend((at + n * size, alloc) for n in range(count))
         self._free.extend(range(first + count - 1, first - 1, -1))
         self._allocated += count
         return True
@@ -224,11 +235,12 @@ class HostTier:
             if keys:
                 self._events.removed(Medium.HOST, tuple(keys))
                 self._stats.evictions += len(keys)
-            span = range(seg.first, seg.first + seg.memory.shape[0])
-            self._free = [i for i in self._free if i not in span]
-            self._slot_views[span.start : span.stop] = [_GONE] * len(span)
+            gone = range(seg.first, seg.first + seg.memory.shape[0])
+            self._free = [i for i in self._free if i not in gone]
+            self._slot_views[gone.start : gone.stop] = [_GONE] * len(gone)
+            self._slot_spans[gone.start : gone.stop] = [None] * len(gone)
             self._segments.remove(seg)
-            self._allocated -= len(span)
+            self._allocated -= len(gone)
             self._budget.give(self, size)
             given += size
         return given

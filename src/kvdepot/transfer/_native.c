@@ -15,7 +15,7 @@ Built against the limited API of Python 3.11 (one abi3 binary for 3.11 and later
 #include <stdint.h>
 #include <string.h>
 
-static PyObject *s_block_ids, *s_host, *s_first, *s_data_ptr, *s_untyped_storage;
+static PyObject *s_block_ids, *s_host, *s_first, *s_span, *s_data_ptr, *s_untyped_storage;
 
 /* An int attribute or method result as int64; -1 with an exception set on failure (callers
    check PyErr_Occurred, as -1 may be a value). */
@@ -27,8 +27,27 @@ static int64_t as_i64(PyObject *value) {
     return out;
 }
 
-/* host.data_ptr() and host.untyped_storage().data_ptr() */
-static int host_addresses(PyObject *host, int64_t *data, int64_t *alloc) {
+/* Chunk part ``c``'s host buffer address and its allocation's: its ``span`` (two ints, given by
+   the host tier with the slot) or, where that is None, host.data_ptr() and
+   host.untyped_storage().data_ptr(), which cost ~8 us each with the caches cold. */
+static int host_addresses(PyObject *c, PyObject *host, int64_t *data, int64_t *alloc) {
+    PyObject *span = PyObject_GetAttr(c, s_span);
+    if (span == NULL)
+        return -1;
+    if (span != Py_None) {
+        int ok = PyTuple_Check(span) && PyTuple_Size(span) == 2;
+        if (ok) {
+            *data = PyLong_AsLongLong(PyTuple_GetItem(span, 0));  /* borrowed */
+            *alloc = *data == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(PyTuple_GetItem(span, 1));
+        }
+        Py_DECREF(span);
+        if (!ok) {
+            PyErr_SetString(PyExc_TypeError, "a chunk part's span must be None or (address, allocation)");
+            return -1;
+        }
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    Py_DECREF(span);
     *data = as_i64(PyObject_CallMethodObjArgs(host, s_data_ptr, NULL));
     if (*data == -1 && PyErr_Occurred())
         return -1;
@@ -86,7 +105,7 @@ static int list_chunk(Lister *l, PyObject *c, Py_ssize_t k, Py_ssize_t *stop) {
         rc = 0;
         goto done;
     }
-    if (host_addresses(host, &data, &alloc) < 0)
+    if (host_addresses(c, host, &data, &alloc) < 0)
         goto done;
     int64_t at;
     if (__builtin_mul_overflow(first + (int64_t)k, l->seg, &at) || __builtin_add_overflow(at, data, &at)) {
@@ -264,9 +283,10 @@ static int exec_module(PyObject *module) {
     s_block_ids = PyUnicode_InternFromString("block_ids");
     s_host = PyUnicode_InternFromString("host");
     s_first = PyUnicode_InternFromString("first");
+    s_span = PyUnicode_InternFromString("span");
     s_data_ptr = PyUnicode_InternFromString("data_ptr");
     s_untyped_storage = PyUnicode_InternFromString("untyped_storage");
-    return (s_block_ids && s_host && s_first && s_data_ptr && s_untyped_storage) ? 0 : -1;
+    return (s_block_ids && s_host && s_first && s_span && s_data_ptr && s_untyped_storage) ? 0 : -1;
 }
 
 static PyModuleDef_Slot slots[] = {{Py_mod_exec, exec_module}, {0, NULL}};

@@ -47,6 +47,26 @@ class ChunkCopy:
     block_ids: Sequence[int]
     host: torch.Tensor  # 1-D uint8 chunk buffer, view-major
     first: int = 0
+    # (host.data_ptr(), host.untyped_storage().data_ptr()) where the caller knows them (the host
+    # tier, since it made the slot); None: movers ask torch. Asking costs ~8 us a call when an
+    # operation starts with the caches cold (issue 19): two per chunk, 16 of a 256 KiB-block
+    # store's first ~100 us on the dev VM (``bench bookkeeping --sweep-mib 64``).
+    span: tuple[int, int] | None = None
+
+    def part(self, lo: int, hi: int | None = None) -> ChunkCopy:
+        """Blocks ``lo..hi-1`` of this part (to its end with None), as a part of their own."""
+        return ChunkCopy(self.block_ids[lo:hi], self.host, self.first + lo, self.span)
+
+    def addresses(self) -> tuple[int, int]:
+        """The host buffer's address and its allocation's: ``span``, or torch's answer."""
+        if self.span is not None:
+            return self.span
+        return host_span(self.host)
+
+
+def host_span(host: torch.Tensor) -> tuple[int, int]:
+    """A host buffer's address and its allocation's (what ``ChunkCopy.span`` holds)."""
+    return host.data_ptr(), host.untyped_storage().data_ptr()
 
 
 class Move(Protocol):
@@ -188,8 +208,8 @@ def split_lead(copies: Sequence[ChunkCopy], blocks: int) -> tuple[list[ChunkCopy
             lead.append(c)
             blocks -= len(c.block_ids)
             continue
-        lead.append(ChunkCopy(c.block_ids[:blocks], c.host, c.first))
-        return lead, [ChunkCopy(c.block_ids[blocks:], c.host, c.first + blocks), *copies[index + 1 :]]
+        lead.append(c.part(0, blocks))
+        return lead, [c.part(blocks), *copies[index + 1 :]]
     return lead, []
 
 

@@ -169,7 +169,7 @@ class BatchBlockMover(OneChunk):
 
 def _hosts(copies: Sequence[ChunkCopy]) -> dict[int, torch.Tensor]:
     """``copies``' host allocations, each with a buffer in it (for ``BatchDriver.pinned``)."""
-    return {c.host.untyped_storage().data_ptr(): c.host for c in copies}
+    return {c.addresses()[1]: c.host for c in copies}
 
 
 class _BatchMove:

@@ -13,9 +13,10 @@ operation's in a few numpy calls.
 Why a plan: block ``b`` of view ``v`` lives at ``base[v] + b * stride[v]`` for as long as the pool
 is registered, so that arithmetic is set up once (``PoolViews``, which the engine makes anew at
 every registration: a plan never outlives its pool). An operation then costs one Python pass
-over its chunks (each host slot's address and allocation, read live: a slot is only valid for
-the operation that holds it) and ~15 numpy calls for one view: it used to cost ~40 calls, which
-at ~1-2 us each was most of a 256-block operation's host time before its first copy (issue 19).
+over its chunks (each host slot's address and allocation, as the host tier gave them with the
+slot, ``ChunkCopy.span``, else asked of torch) and ~15 numpy calls for one view: it used to cost
+~40 calls, which at ~1-2 us each was most of a 256-block operation's host time before its first
+copy (issue 19).
 
 Where the optional C helper is built (``native.NATIVE``), one-view lists (``head_list``, and
 ``copy_list`` of one view) are made by it, in one call: the same lists (tests compare them with
@@ -197,12 +198,12 @@ def _one_view(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool,
         count = len(c.block_ids)
         if not count:
             continue
-        host = c.host
-        here = (host.data_ptr() + (c.first - len(ids)) * seg, host.untyped_storage().data_ptr())
+        at, alloc = c.addresses()
+        here = (at + (c.first - len(ids)) * seg, alloc)
         if here != last:
             if ids:
                 forced.append(len(ids))  # a run starts here whatever the pool does
-            hosts.setdefault(here[1], host)
+            hosts.setdefault(alloc, c.host)
         last = here
         bases.append(here[0])
         counts.append(count)
@@ -241,9 +242,9 @@ def _many_views(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool,
     for c in copies:
         if len(c.block_ids):
             host = c.host
-            alloc = host.untyped_storage().data_ptr()
+            at, alloc = c.addresses()
             hosts.setdefault(alloc, host)
-            rows.append((len(c.block_ids), host.data_ptr(), alloc, host.numel() // plan.per_block, c.first - len(ids)))
+            rows.append((len(c.block_ids), at, alloc, host.numel() // plan.per_block, c.first - len(ids)))
             ids += c.block_ids
     if not ids:
         return None
@@ -279,8 +280,7 @@ def _native_list(plan: PoolPlan, copies: Sequence[ChunkCopy], to_host: bool, max
         base, stride, seg, copies, to_host, min(max_bytes, _NO_LIMIT), min(max_copies, _NO_LIMIT))
     rest = list(copies[index + 1 if k else index :])
     if k:
-        c = copies[index]
-        rest.insert(0, ChunkCopy(c.block_ids[k:], c.host, c.first + k))
+        rest.insert(0, copies[index].part(k))
     return CopyList.of_raw(raw, address, count, hosts), taken, rest
 
 
@@ -318,18 +318,17 @@ def _head_list_py(plan: PoolPlan, copies: Sequence[ChunkCopy], *, to_host: bool,
         return CopyList.of_rows(*rows, hosts), taken, rest
 
     for index, c in enumerate(copies):
-        host = c.host
-        alloc = host.untyped_storage().data_ptr()
-        at = host.data_ptr() + c.first * seg
+        at, alloc = c.addresses()
+        at += c.first * seg
         for k, block in enumerate(c.block_ids):
             here = base + block * stride
             joins = here == pool_end and at == host_end and alloc == last_alloc
             if taken >= max_bytes or (not joins and len(sizes) == max_copies):
-                return listed([ChunkCopy(c.block_ids[k:], host, c.first + k), *copies[index + 1 :]])
+                return listed([c.part(k), *copies[index + 1 :]])
             if joins:
                 sizes[-1] += seg
             else:
-                hosts.setdefault(alloc, host)
+                hosts.setdefault(alloc, c.host)
                 pool_at.append(here)
                 host_at.append(at)
                 sizes.append(seg)
@@ -348,7 +347,7 @@ def block_addresses(plan: PoolPlan, copies: Sequence[ChunkCopy]) -> tuple[np.nda
     counts, bases = [], []
     for c in copies:
         if len(c.block_ids):
-            bases.append(c.host.data_ptr() + (c.first - len(ids)) * seg)
+            bases.append(c.addresses()[0] + (c.first - len(ids)) * seg)
             counts.append(len(c.block_ids))
             ids += c.block_ids
     host = np.repeat(np.array(bases, dtype=np.int64), counts) + np.arange(len(ids), dtype=np.int64) * seg
