@@ -136,8 +136,8 @@ class HostTier:
 
     def span(self, key: ChunkKey) -> tuple[int, int]:
         """``key``'s slot address and its allocation's (``transfer.base.ChunkCopy.span``), noted
-        when the slot was made: asking torch (``data_ptr()``) costs ~8 us a call as an operation
-        starts with the caches cold, two per chunk (issue 19). Only for a writer or a lease holder."""
+        when the slot was made: asking torch (``data_ptr()``) costs up to ~8 us a call as an
+        operation starts with the caches cold, two per chunk (issue 19). Only for a writer or a lease holder."""
         span = self._slot_spans[self._slot_of[key]]
         assert span is not None  # a given-back segment's slots hold no key
         return span

@@ -48,9 +48,9 @@ class ChunkCopy:
     host: torch.Tensor  # 1-D uint8 chunk buffer, view-major
     first: int = 0
     # (host.data_ptr(), host.untyped_storage().data_ptr()) where the caller knows them (the host
-    # tier, since it made the slot); None: movers ask torch. Asking costs ~8 us a call when an
-    # operation starts with the caches cold (issue 19): two per chunk, 16 of a 256 KiB-block
-    # store's first ~100 us on the dev VM (``bench bookkeeping --sweep-mib 64``).
+    # tier, since it made the slot); None: movers ask torch. Asking costs up to ~8 us a call when
+    # an operation starts with the caches cold, two per chunk part (issue 19; dev VM, caches swept:
+    # a store's first window listed in 10 us with spans, 15 without, and the move issued ~60 us sooner).
     span: tuple[int, int] | None = None
 
     def part(self, lo: int, hi: int | None = None) -> ChunkCopy:
