@@ -80,6 +80,13 @@ class Stamps:
             busy_until = leave if busy_until is None else max(busy_until, leave)
         return gap
 
+    def per_copy(self, to_host: bool) -> float:
+        """Seconds spent in the (stubbed) driver per copy: what ``--driver-us-per-copy`` asked
+        for, as it came out (with the stamps' own cost in it)."""
+        calls = [c for c in self.calls if c[2] == to_host]
+        copies = sum(hi - lo for *_, lo, hi in calls)
+        return sum(leave - enter for enter, leave, *_ in calls) / copies if copies else float("nan")
+
     def engines(self, to_host: bool, gbps: float) -> tuple[float, float]:
         """(idle, end) of a simulated copy engine fed by these calls at ``gbps``: each call's
         copies start once it has returned (the driver hands a batch over whole) and after the
@@ -281,10 +288,10 @@ def _batch(rig: Rig, reps: int, stamps: Stamps, gbps: float) -> dict[str, list[t
 
 def _row(stamps: Stamps, to_host: bool, t0: float, returned: float, gbps: float) -> tuple[float, ...]:
     """(call returned, first driver call entered, last one left, longest gap, simulated engines'
-    idle time and end) in us from ``t0``."""
+    idle time and end) in us from ``t0``, and the driver's time per copy in us."""
     idle, end = stamps.engines(to_host, gbps)
     return ((returned - t0) * 1e6, (stamps.first(to_host) - t0) * 1e6, (stamps.last(to_host) - t0) * 1e6,
-            stamps.longest_gap(to_host) * 1e6, idle * 1e6, (end - t0) * 1e6)
+            stamps.longest_gap(to_host) * 1e6, idle * 1e6, (end - t0) * 1e6, stamps.per_copy(to_host) * 1e6)
 
 
 def _check_idle(engine: Any) -> None:
@@ -300,13 +307,15 @@ def run(args: argparse.Namespace) -> list[dict]:
     report = Report(args, steps=len(shapes) * len(paths), name="bench bookkeeping",
                     bars=Bars(("shape", "path", "op"), ("call us", "first copy us", "all issued us", "longest gap us"),
                               "us per call"))
-    columns = ("call us", "first copy us", "all issued us", "longest gap us", "engines idle us", "copies end us")
+    columns = ("call us", "first copy us", "all issued us", "longest gap us", "engines idle us", "copies end us",
+               "driver us/copy")
     report.note(f"kvdepot bench bookkeeping — host time per operation of {args.blocks} blocks, no copies (CPU), "
                 f"{args.reps} reps, medians in us from the call: 'call' until it returned, 'first copy' until the "
                 "first (stubbed) driver call, 'all issued' until the last one returned; 'longest gap': the longest time "
                 "between its driver calls with none in the driver (a store's hand-off to its issuer shows there); "
                 f"'engines idle', 'copies end': a copy engine simulated at {args.pcie_gbps:g} GB/s, fed by those calls "
-                "(each call's copies start once it has returned): its idle time after the first copy, and when it ends")
+                "(each call's copies start once it has returned): its idle time after the first copy, and when it ends; "
+                "'driver us/copy': the stubbed driver's time per copy as it came out (--driver-us-per-copy asks)")
     report.table("", shape=16, path=11, op=14)
     for model, tpb in shapes:
         layers, heads, dim = MODELS[model]
@@ -333,7 +342,7 @@ def _measure(path: str, shape: tuple[int, int, int, int], args: argparse.Namespa
         with _profiling(profiler):
             times = _bookkeeping(rig, args.reps)
         _check_idle(rig.engine)
-        return [(op, statistics.median(values), nan, nan, nan, nan, nan) for op, values in times.items()]
+        return [(op, statistics.median(values), nan, nan, nan, nan, nan, nan) for op, values in times.items()]
     if path != "batch":
         raise SystemExit(f"unknown path {path!r}: expected bookkeeping or batch")
     from kvdepot.transfer import BatchBlockMover
@@ -346,7 +355,7 @@ def _measure(path: str, shape: tuple[int, int, int, int], args: argparse.Namespa
     with _profiling(profiler):
         samples = _batch(rig, args.reps, stamps, args.pcie_gbps)
     _check_idle(rig.engine)
-    return [(op, *(statistics.median(s[i] for s in values) for i in range(6))) for op, values in samples.items()]
+    return [(op, *(statistics.median(s[i] for s in values) for i in range(7))) for op, values in samples.items()]
 
 
 @contextlib.contextmanager
