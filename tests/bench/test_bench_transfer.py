@@ -110,11 +110,12 @@ def test_what_runs_before_an_operation_is_off_its_clock():
     assert op_s < 0.01
 
 
-@pytest.mark.parametrize("sweep", ["0", "4"])
-def test_bench_bookkeeping_times_each_shape_and_path(sweep):
-    """``--sweep-mib``: the caches swept before each timed operation, as a GPU's DMA does."""
+@pytest.mark.parametrize("sweep, driver_us", [("0", "0"), ("4", "0"), ("0", "0.5")])
+def test_bench_bookkeeping_times_each_shape_and_path(sweep, driver_us):
+    """``--sweep-mib``: the caches swept before each timed operation, as a GPU's DMA does;
+    ``--driver-us-per-copy``: the stubbed driver's time, which its column reports as it came out."""
     rows = bookkeeping.run(_args(bookkeeping, "--models", "1b", "--tokens-per-block", "8", "--reps", "3",
-                                 "--blocks", "64", "--driver-us-per-copy", "0", "--sweep-mib", sweep))
+                                 "--blocks", "64", "--driver-us-per-copy", driver_us, "--sweep-mib", sweep))
     assert {(r["path"], r["op"]) for r in rows} == {
         ("bookkeeping", "store"), ("bookkeeping", "lookup"), ("bookkeeping", "lookup+lease"), ("bookkeeping", "retrieve"),
         ("batch", "store"), ("batch", "retrieve"), ("batch", "both: store"), ("batch", "both: retrieve")}
@@ -124,8 +125,10 @@ def test_bench_bookkeeping_times_each_shape_and_path(sweep):
             assert 0 < r["first copy us"] <= r["all issued us"]
             assert 0 <= r["longest gap us"] < r["all issued us"] - r["first copy us"]
             assert r["engines idle us"] >= 0 and r["copies end us"] > r["first copy us"]
+            assert r["driver us/copy"] > (0.5 if driver_us != "0" else 0)  # at least the memset asked for
         else:
             assert math.isnan(r["first copy us"]) and math.isnan(r["longest gap us"])
+            assert math.isnan(r["driver us/copy"])
 
 
 def _calls(*spans: tuple[float, float, bool], nbytes: int = 0) -> list[tuple]:
