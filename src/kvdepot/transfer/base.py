@@ -50,7 +50,7 @@ class ChunkCopy:
     # (host.data_ptr(), host.untyped_storage().data_ptr()) where the caller knows them (the host
     # tier, since it made the slot); None: movers ask torch. Asking costs up to ~8 us a call when
     # an operation starts with the caches cold, two per chunk part (issue 19; dev VM, caches swept:
-    # a store's first window listed in 10 us with spans, 15 without, and the move issued ~60 us sooner).
+    # a store's first window listed in 10 us with spans, 15 without, and the move issued 15-60 us sooner).
     span: tuple[int, int] | None = None
 
     def part(self, lo: int, hi: int | None = None) -> ChunkCopy:
