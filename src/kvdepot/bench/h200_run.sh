@@ -17,8 +17,9 @@ steps=${*:-tests transfer demo ttft mp}
 OPS256="python3 -m kvdepot.cli bench transfer --mover batch --blocks 256 --reps 15"  # issue 19's 256-block operations
 SMALL="--layers 16 --head-dim 64 --tokens-per-block 8"  # its 256 KiB-block shape (the 1B model, 8 tokens a block)
 DISK="python3 -m kvdepot.cli bench tiers --parts disk --disk-path /tmp/kvd-disk"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total,uuid --format=csv,noheader | tee "$OUT/device.txt"  # uuid: which host
+git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/device.txt"  # may name an older commit than the tree carried:
+echo "src $(bash src/kvdepot/bench/src_digest.sh)" | tee -a "$OUT/device.txt"  # ... the digest of what ran does not
 for step in $steps; do
   echo "=== $step ($(date +%T))"
   case $step in
