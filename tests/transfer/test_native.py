@@ -113,7 +113,6 @@ def test_a_given_span_is_what_the_lists_use(monkeypatch, c_helper):
 
 
 def test_a_span_that_is_not_two_ints_is_a_clear_error():
-    pool = torch.zeros(10, 8, dtype=torch.uint8)
     arena = torch.zeros(4 * 8, dtype=torch.uint8)
     for span in ((1,), [1, 2], "ab", (1, 2, 3)):
         with pytest.raises(TypeError, match="span must be None or"):
@@ -122,7 +121,6 @@ def test_a_span_that_is_not_two_ints_is_a_clear_error():
         NATIVE.list_one_view(0, 8, 8, [ChunkCopy([1], arena, 0, (1, "x"))], True, 64, 4)
     with pytest.raises(OverflowError):
         NATIVE.list_one_view(0, 8, 8, [ChunkCopy([1], arena, 0, (1 << 64, 0))], True, 64, 4)
-    del pool
 
 
 def test_no_reference_is_kept_or_lost():
