@@ -344,8 +344,9 @@ class CacheEngine(PoolsOwner):
         with self._lock:
             self._poll_locked()
             slots = self.host.reserve_many(keys[lo:hi])  # drops are counted by the tier (``stats``)
-            return [(c, ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot, 0, self.host.span(keys[c])))
-                    for c, slot in enumerate(slots, lo) if slot is not None]
+            placed = [(c, slot, self.host.span(keys[c])) for c, slot in enumerate(slots, lo) if slot is not None]
+        # The copies are built outside the engine's lock: only the slots and their spans need it.
+        return [(c, ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot, 0, span)) for c, slot, span in placed]
 
     def _provider(self, key: ChunkKey) -> Callable[[], Lent | None]:
         """Write-behind lends a committed chunk's host slot in place, pinned until the tiers have
