@@ -5,6 +5,7 @@ two threads at once (``head`` on the caller, ``rest`` on the issuer) — on the 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -405,6 +406,33 @@ def test_the_driver_remembers_a_pinned_allocation_only_while_its_owner_lives():
     assert not driver.pinned(allocation(torch.empty(4096, dtype=torch.uint8, device="cuda")))
     del slot, segment
     assert driver._pinned[key]() is None
+
+
+def test_the_driver_remembers_a_buffer_found_pinned_by_itself_while_it_lives(monkeypatch):
+    """A host slot's view found pinned is remembered by itself: the next move that meets it reads
+    no torch attribute (here ``_base`` raises once the first answer is in); a new view of the same
+    segment goes through the owner's check; pageable memory is never remembered. (On CPU nothing
+    is pinned: the segment is entered as if found pinned before.)"""
+    driver = cuda_batch.CudaDriver()
+    segment = torch.empty(1 << 16, dtype=torch.uint8)
+    slot = segment[4096:8192]
+    key = slot.untyped_storage().data_ptr()
+    driver._pinned[key] = weakref.ref(segment)
+    assert driver.pinned({key: slot}) and driver._seen[id(slot)]() is slot
+
+    def unread(self):
+        raise AssertionError("a torch attribute was read")
+
+    monkeypatch.setattr(torch.Tensor, "_base", property(unread))
+    assert driver.pinned({key: slot})  # remembered: nothing read
+    with pytest.raises(AssertionError, match="torch attribute"):
+        driver.pinned({key: segment[0:4096]})  # a new view: checked through its owner
+    monkeypatch.undo()
+    pageable = torch.empty(4096, dtype=torch.uint8)
+    assert not driver.pinned({pageable.untyped_storage().data_ptr(): pageable}) and id(pageable) not in driver._seen
+    gone = id(slot)
+    del slot
+    assert driver._seen[gone]() is None  # a dead view's answer goes with it
 
 
 def test_the_issuer_starts_its_part_of_a_store_with_a_small_window_again():
