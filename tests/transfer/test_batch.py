@@ -5,7 +5,6 @@ two threads at once (``head`` on the caller, ``rest`` on the issuer) — on the 
 from __future__ import annotations
 
 import threading
-import weakref
 
 import numpy as np
 import pytest
@@ -400,12 +399,12 @@ def test_the_driver_remembers_a_pinned_allocation_only_while_its_owner_lives():
     segment = torch.empty(1 << 20, dtype=torch.uint8, pin_memory=True)
     slot = segment[4096:8192]
     key = slot.untyped_storage().data_ptr()
-    assert driver.pinned(allocation(slot)) and driver._pinned[key]() is segment
+    assert driver.pinned(allocation(slot)) and driver._pinned.get(key) is segment
     assert driver.pinned(allocation(segment[0:4096]))  # remembered: the same owner
     assert not driver.pinned(allocation(torch.empty(4096, dtype=torch.uint8)))
     assert not driver.pinned(allocation(torch.empty(4096, dtype=torch.uint8, device="cuda")))
     del slot, segment
-    assert driver._pinned[key]() is None
+    assert driver._pinned.get(key) is None
 
 
 def test_the_driver_remembers_a_buffer_found_pinned_by_itself_while_it_lives(monkeypatch):
@@ -417,8 +416,8 @@ def test_the_driver_remembers_a_buffer_found_pinned_by_itself_while_it_lives(mon
     segment = torch.empty(1 << 16, dtype=torch.uint8)
     slot = segment[4096:8192]
     key = slot.untyped_storage().data_ptr()
-    driver._pinned[key] = weakref.ref(segment)
-    assert driver.pinned({key: slot}) and driver._seen[id(slot)]() is slot
+    driver._pinned.put(key, segment)
+    assert driver.pinned({key: slot}) and driver._seen.get(id(slot)) is slot
 
     def unread(self):
         raise AssertionError("a torch attribute was read")
@@ -429,10 +428,32 @@ def test_the_driver_remembers_a_buffer_found_pinned_by_itself_while_it_lives(mon
         driver.pinned({key: segment[0:4096]})  # a new view: checked through its owner
     monkeypatch.undo()
     pageable = torch.empty(4096, dtype=torch.uint8)
-    assert not driver.pinned({pageable.untyped_storage().data_ptr(): pageable}) and id(pageable) not in driver._seen
+    assert not driver.pinned({pageable.untyped_storage().data_ptr(): pageable})
+    assert driver._seen.get(id(pageable)) is None
     gone = id(slot)
     del slot
-    assert driver._seen[gone]() is None  # a dead view's answer goes with it
+    assert driver._seen.get(gone) is None  # a dead view's answer goes with it
+
+
+def test_the_driver_s_memo_sweeps_the_dead_and_never_rescans_on_every_entry():
+    """Sweeps happen when the memo has doubled since the last one: tens of thousands of live
+    slot views cost one scan per doubling, not one per new entry (a rescan per entry would cost
+    the step loop milliseconds per move while a large arena's views are first met)."""
+    memo = cuda_batch.WeakMemo()
+    alive = [torch.empty(1) for _ in range(3 * memo.SWEEP_AT)]
+    sweeps = []
+    for n, t in enumerate(alive):
+        before = memo._refs
+        memo.put(n, t)
+        if memo._refs is not before:  # a sweep makes the dict anew
+            sweeps.append(n)
+    assert len(sweeps) <= 2 and all(memo.get(n) is t for n, t in enumerate(alive))
+    del t
+    alive.clear()  # every one dies: the next sweep drops them all
+    while len(memo) < memo._sweep_at:
+        memo.put(-len(memo) - 1, torch.empty(1))  # dead at once too
+    memo.put(-1, keep := torch.empty(1))
+    assert len(memo) == 1 and memo.get(-1) is keep and memo._sweep_at == memo.SWEEP_AT
 
 
 def test_the_issuer_starts_its_part_of_a_store_with_a_small_window_again():

@@ -138,8 +138,8 @@ class CudaDriver:
         self._lanes: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
         self._lock = threading.Lock()  # a store's issuer and a load's caller make lanes at once
         self._bound = threading.local()  # devices whose context this thread has made current
-        self._pinned: dict[int, weakref.ref[torch.Tensor]] = {}  # allocation -> its pinned owner tensor
-        self._seen: dict[int, weakref.ref[torch.Tensor]] = {}  # id(buffer) -> a buffer found pinned
+        self._pinned = WeakMemo()  # allocation -> its pinned owner tensor
+        self._seen = WeakMemo()  # id(buffer) -> a buffer found pinned
 
     def stream(self, views: Sequence[torch.Tensor]) -> Any | None:
         if not views or not views[0].is_cuda or not available():
@@ -154,22 +154,20 @@ class CudaDriver:
         # it lives (an arena segment: a slot's base): while it does, its memory cannot be freed
         # and its address reused by pageable memory.
         # A buffer found pinned is remembered by itself too (a host slot's view, made once per
-        # slot): then the next move that meets it reads no torch attribute, ~15 us cold for the
-        # owner's check against ~5 (dev VM, caches swept), on the path to a move's first copy.
+        # slot): then the next move that meets it reads no torch attribute, ~7 us cold against
+        # ~15 for the owner's check (dev VM, caches swept), on the path to a move's first copy.
         for key, h in hosts.items():
-            seen = self._seen.get(id(h))
-            if seen is not None and seen() is h:
+            if self._seen.get(id(h)) is h:
                 continue
             base = h._base
             owner = base if base is not None else h
-            known = self._pinned.get(key)
-            if known is None or known() is not owner:
+            if self._pinned.get(key) is not owner:
                 if h.is_cuda or not h.is_pinned():
                     return False
                 with self._lock:
-                    self._pinned = _remember(self._pinned, key, owner)
+                    self._pinned.put(key, owner)
             with self._lock:
-                self._seen = _remember(self._seen, id(h), h)
+                self._seen.put(id(h), h)
         return True
 
     def lane(self, stream: Any) -> Any:
@@ -198,14 +196,30 @@ class CudaDriver:
         memcpy_batch(copies, lo, hi, stream.cuda_stream)
 
 
-def _remember(known: dict[int, weakref.ref[torch.Tensor]], key: int,
-              tensor: torch.Tensor) -> dict[int, weakref.ref[torch.Tensor]]:
-    """``known`` with ``key`` -> ``tensor`` (weakly), its dead entries dropped once it grows large
-    (allocations and buffers made and dropped by the thousand)."""
-    if len(known) > 8192:
-        known = {k: r for k, r in known.items() if r() is not None}
-    known[key] = weakref.ref(tensor)
-    return known
+class WeakMemo:
+    """int -> tensor, held weakly. Dead entries (allocations and buffers made and dropped by the
+    thousand) are swept out whenever it has doubled since the last sweep: amortized constant time
+    per entry however many stay alive (an arena's slot views may be tens of thousands). ``get``
+    takes no lock (one dict read); callers serialize ``put``."""
+
+    SWEEP_AT = 4096
+
+    def __init__(self) -> None:
+        self._refs: dict[int, weakref.ref[torch.Tensor]] = {}
+        self._sweep_at = self.SWEEP_AT
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def get(self, key: int) -> torch.Tensor | None:
+        ref = self._refs.get(key)
+        return None if ref is None else ref()
+
+    def put(self, key: int, tensor: torch.Tensor) -> None:
+        if len(self._refs) >= self._sweep_at:
+            self._refs = {k: r for k, r in self._refs.items() if r() is not None}
+            self._sweep_at = max(self.SWEEP_AT, 2 * len(self._refs))
+        self._refs[key] = weakref.ref(tensor)
 
 
 CUDA_DRIVER = CudaDriver()
