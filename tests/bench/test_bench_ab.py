@@ -62,6 +62,7 @@ def test_both_trees_are_timed_round_by_round_on_cpu(tmp_path, kvdepot_env_cleare
     # Where each tree's copy lists come from (the copy holds this tree's C helper, if built).
     lists = "C helper" if native.NATIVE is not None else "Python"
     assert f"copy lists by {lists} (new), {lists} (old)" in out
+    assert re.search(r"; CPU steal \d+ ms/s over the rounds$", out, re.M)  # whose time the rounds lost (a VM's)
     assert common.c_helper("kvdepot_no_such_tree") == "Python (no C helper in this tree)"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
 import time
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from kvdepot.bench import bookkeeping, dma_ceiling, transfer
-from kvdepot.bench.common import host_python_us, paired_seconds
+from kvdepot.bench.common import HostSteal, host_python_us, paired_seconds
 from kvdepot.transfer.plan import CopyList
 
 
@@ -31,6 +32,7 @@ def test_bench_transfer_measures_each_batch_variant_in_one_run(kvdepot_env_clear
     assert [r["mover"] for r in rows] == [m for m in movers for _ in range(4)]
     assert [r["op"] for r in rows[:4]] == ["store", "2 stores at once", "retrieve", "lookup + retrieve"]
     assert all(r["ratio"] > 0 and r["call us"] > 0 for r in rows)
+    assert all(r["steal ms/s"] >= 0 for r in rows)  # this machine's kernel says (NaN would fail)
     out = capsys.readouterr().out
     assert re.search(r"kvdepot bench transfer — cpu; host Python \d+ us per reference loop", out)
     # Where each variant's threads, arena and memcpy buffer sit (the store's spread, issue 19).
@@ -49,6 +51,21 @@ def test_the_host_python_figure_follows_the_speed_of_python():
     finally:
         sys.settrace(before)
     assert traced > 1.5 * plain > 0
+
+
+def test_host_steal_reads_the_hypervisors_take_per_second(tmp_path, monkeypatch):
+    """The steal field is the eighth after "cpu", in clock ticks; the figure is ms per wall second."""
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(HostSteal, "STAT", str(stat))
+    clock = iter([10.0, 12.0, 13.0])
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    tick = os.sysconf("SC_CLK_TCK")
+    stat.write_text(f"cpu  1 2 3 4 5 6 7 {tick} 0 0\ncpu0 9 9 9 9 9 9 9 9 0 0\n")
+    steal = HostSteal()
+    stat.write_text(f"cpu  1 2 3 4 5 6 7 {3 * tick} 0 0\n")
+    assert steal.ms_per_s() == pytest.approx(1000.0)  # 2 s stolen over 2 s
+    stat.write_text("intr 5\n")  # a kernel that does not say: no figure, not a zero
+    assert steal.ms_per_s() is None
 
 
 def test_bench_transfer_anatomy_is_cuda_only_and_leaves_the_rows_alone_on_cpu(kvdepot_env_cleared):

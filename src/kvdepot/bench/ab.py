@@ -32,7 +32,14 @@ from typing import Any
 
 import torch
 
-from kvdepot.bench.common import Memcpy, c_helper, device_name, host_python_us, paired_seconds
+from kvdepot.bench.common import (
+    HostSteal,
+    Memcpy,
+    c_helper,
+    device_name,
+    host_python_us,
+    paired_seconds,
+)
 from kvdepot.bench.numa import placement
 from kvdepot.bench.report import Report, add_output_arguments
 
@@ -134,14 +141,17 @@ def run(args: argparse.Namespace) -> list[dict]:
         try:
             with report.step("import the old tree"):
                 import_tree(Path(args.old), "kvdepot_old", Path(into))
+            steal = HostSteal()
             ratios = _rounds(args, ops, pool, nbytes, report)
+            stolen = steal.ms_per_s()
         finally:
             if into in sys.path:
                 sys.path.remove(into)  # the copy goes with the directory
     report.table(f"kvdepot bench ab — {device_name(device)}; {nbytes / 2**20:.0f} MiB per op, {args.rounds} rounds, "
                  f"{args.first} built first; ratio = memcpy seconds / op seconds, paired; host Python "
                  f"{host_python_us():.0f} us per reference loop; copy lists by {c_helper()} (new), "
-                 f"{c_helper('kvdepot_old')} (old)", op=10)
+                 f"{c_helper('kvdepot_old')} (old); CPU steal "
+                 f"{'?' if stolen is None else f'{stolen:.0f}'} ms/s over the rounds", op=10)
     for op in ops:
         new, old = ratios[("new", op)], ratios[("old", op)]
         report.add({"op": op, "old ratio": statistics.median(old), "new ratio": statistics.median(new),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -308,6 +309,34 @@ def c_helper(package: str = "kvdepot") -> str:
     except ImportError:
         return "Python (no C helper in this tree)"
     return "C helper" if native.NATIVE is not None else "Python"
+
+
+class HostSteal:
+    """Milliseconds per second that the hypervisor ran other guests while this VM's CPUs wanted to
+    run ("steal" in ``/proc/stat``, summed over CPUs), since the last reading. The GPU hosts here
+    are VMs whose processes have slow phases (every host step ~2x slower, the 256 KiB store 8–12
+    points down, issue 19); a high figure beside such a row says the time was taken from the
+    process, not spent by it. None where the kernel does not say (no ``/proc/stat``, no steal field)."""
+
+    STAT = "/proc/stat"
+
+    def __init__(self) -> None:
+        self._last = (time.perf_counter(), self._ticks())
+
+    def _ticks(self) -> int | None:
+        try:
+            with open(self.STAT) as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        return int(fields[8]) if len(fields) > 8 and fields[0] == "cpu" else None
+
+    def ms_per_s(self) -> float | None:
+        (t0, ticks0), now = self._last, (time.perf_counter(), self._ticks())
+        self._last = now
+        if ticks0 is None or now[1] is None or now[0] <= t0:
+            return None
+        return (now[1] - ticks0) / os.sysconf("SC_CLK_TCK") * 1e3 / (now[0] - t0)
 
 
 def host_python_us(reps: int = 7) -> float:

@@ -22,6 +22,7 @@ import torch
 
 from kvdepot.bench import call_anatomy
 from kvdepot.bench.common import (
+    HostSteal,
     Memcpy,
     behind_work_seconds,
     c_helper,
@@ -65,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="batch mover, CUDA: also take --reps stores and retrieves apart by timing events (GPU lead, copy "
                              "span, tail, driver calls, simulated engine idle) beside a memcpy of the same bytes")
     add_output_arguments(parser)
+
+
+def _nan(value: float | None) -> float:
+    return float("nan") if value is None else value
 
 
 def _milliseconds(value: str) -> float:
@@ -175,11 +180,12 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     common = {"mover": label, "shape": shape, "block MiB": block_bytes / 2**20, "blocks": moved, "pinned": engine.host.pin_memory}
 
     def add(op: str, moved_bytes: int, op_s: float, copy_s: float, ratio: float) -> None:
-        # call us: the host time of the engine's calls (what a step loop spends on them), median.
+        # call us: the host time of the engine's calls (what a step loop spends on them), median;
+        # steal ms/s: the hypervisor's take of this VM's CPUs while the row was measured.
         call_us = statistics.median(calls) * 1e6 if calls else float("nan")
         calls.clear()
         report.add({**common, "op": op, "GB/s": moved_bytes / op_s / 1e9, "memcpy GB/s": moved_bytes / copy_s / 1e9,
-                    "ratio": ratio, "call us": call_us})
+                    "ratio": ratio, "call us": call_us, "steal ms/s": _nan(steal.ms_per_s())})
 
     with report.step(f"{label}: fill the arena"):
         for _ in range(4):  # fill the arena once over
@@ -187,6 +193,7 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     calls.clear()
     copies = Memcpy(nbytes, device)  # each timed operation is paired with a plain copy of its bytes
     report.note(f"NUMA {label}: {placement({'arena': engine.host.segments, 'memcpy': [copies.host]}, device)}")
+    steal = HostSteal()  # read at each row, over its measurement
     with report.step(f"{label}: store"):
         store_s, d2h_s, store_ratio = paired_seconds(store, copies.d2h, device, args.reps, warmup=0)
     add("store", nbytes, store_s, d2h_s, store_ratio)
@@ -207,6 +214,7 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     calls.clear()
     held = fresh_keys()
     engine.store(held, ids()).wait()
+    steal.ms_per_s()  # the compute-share runs and this store are no row's
 
     def load_held(block_ids: list[int]) -> None:
         if engine.retrieve(held, block_ids) != moved * args.tokens_per_block:
@@ -270,9 +278,10 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     if share is not None:
         # ratio here: matmul throughput beside a store over alone (1.0 = the store costs compute nothing)
         report.add({**common, "op": "compute beside store", "GB/s": float("nan"), "memcpy GB/s": float("nan"), "ratio": share,
-                    "call us": float("nan")})
+                    "call us": float("nan"), "steal ms/s": float("nan")})
         report.add({**common, "op": "compute beside memcpy", "GB/s": float("nan"), "memcpy GB/s": float("nan"),
-                    "ratio": ceiling_share, "call us": float("nan")})
+                    "ratio": ceiling_share, "call us": float("nan"),
+                    "steal ms/s": float("nan")})
     timeline = {}
     if getattr(args, "timeline", False) and device.type == "cuda":
         timeline = {"retrieve": gpu_timeline(lambda: (lookup(), retrieve())), "store": gpu_timeline(store)}  # a store evicts
