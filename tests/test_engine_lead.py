@@ -125,6 +125,15 @@ def _round_trip(engine: CacheEngine, rows: torch.Tensor, base: int) -> None:
     _idle(engine)
 
 
+def _loads_exact(engine: CacheEngine, rows: torch.Tensor, keys: list, dst: list[int], stored: torch.Tensor, *, seed: int) -> None:
+    """A retrieve of ``keys`` into blocks ``dst`` puts exactly ``stored`` there and writes nothing else."""
+    poison = _poison(rows, seed)
+    assert engine.retrieve(keys, dst) == N * TPB
+    expect = poison.clone()
+    expect[dst] = stored
+    assert torch.equal(rows, expect)
+
+
 def _bad(ids: list[int], pos: int, kind: str, lead_at: int) -> list[int]:
     """``ids`` with position ``pos`` made bad: out of the pool, or a copy of a lead id / a later id."""
     bad = list(ids)
@@ -221,11 +230,7 @@ def test_a_store_with_a_bad_id_past_the_lead_caches_nothing_and_leaks_nothing(ma
     stored = rows[src].clone()
     assert engine.store(keys, src).chunks == 3 - cached_first
     engine.wait_all()
-    poison = _poison(rows, 5)
-    assert engine.retrieve(keys, src) == N * TPB
-    expect = poison.clone()
-    expect[src] = stored
-    assert torch.equal(rows, expect)
+    _loads_exact(engine, rows, keys, src, stored, seed=5)
     _round_trip(engine, rows, 200)
 
 
@@ -338,11 +343,7 @@ def test_a_store_books_the_chunks_past_its_lead_only_once_the_lead_is_enqueued(m
     assert engine.store(_keys(engine), src).chunks == 3
     engine.wait_all()
     assert log == [("book", 1), ("gather", src[:2]), ("book", 2), ("gather", src[2:])]
-    poison = _poison(rows, 9)
-    assert engine.retrieve(_keys(engine), src) == N * TPB
-    expect = poison.clone()
-    expect[src] = stored
-    assert torch.equal(rows, expect)
+    _loads_exact(engine, rows, _keys(engine), src, stored, seed=9)
     _idle(engine)
 
 
@@ -374,11 +375,7 @@ def test_a_full_arena_evicts_the_next_stores_lead_slot_ahead_while_a_lead_copies
     assert [engine.host.contains(k) for k in old + mid + new] == [False] * 3 + [False, True, True] + [True] * 3
     monkeypatch.undo()
     dst = _ids(4)
-    poison = _poison(rows, 9)
-    assert engine.retrieve(new, dst) == N * TPB
-    expect = poison.clone()
-    expect[dst] = stored
-    assert torch.equal(rows, expect)
+    _loads_exact(engine, rows, new, dst, stored, seed=9)
     _idle(engine)
     _round_trip(engine, rows, 500)
 
@@ -551,9 +548,5 @@ def test_a_load_whose_lead_cannot_be_enqueued_releases_its_lease_and_pins(make, 
         engine.retrieve(keys, dst, lease=lease)
     _idle(engine)  # no lease, no pins, nothing in flight
     engine.mover.scatter_many = scatter
-    poison = _poison(rows, 11)
-    assert engine.retrieve(keys, dst) == N * TPB
-    expect = poison.clone()
-    expect[dst] = stored
-    assert torch.equal(rows, expect)
+    _loads_exact(engine, rows, keys, dst, stored, seed=11)
     _idle(engine)
