@@ -347,39 +347,6 @@ def test_a_store_books_the_chunks_past_its_lead_only_once_the_lead_is_enqueued(m
     _idle(engine)
 
 
-def test_a_full_arena_evicts_the_next_stores_lead_slot_ahead_while_a_lead_copies(make, monkeypatch):
-    """Evicting was on the path before a store's first copy (issue 19): a store that fills the
-    arena evicts for the next one's lead too, once its own chunks past the lead are booked. The
-    next store's lead then books without evicting, and what it stored loads bit-exact."""
-    engine, rows = make(lead=2, capacity=6)  # a 2-block lead books one 3-block chunk
-    old, mid, new = _keys(engine, 0), _keys(engine, 100), _keys(engine, 200)
-    engine.store(old, _ids(1)).wait()
-    engine.store(mid, _ids(2)).wait()  # fills the arena, then frees the oldest chunk's slot
-    assert engine.host.stats().evictions == 1 and not engine.host.contains(old[0])
-    log = engine.mover.moved
-    reserve = engine.host.reserve_many
-
-    def logged(keys, **kw):
-        before = engine.host.stats().evictions
-        slots = reserve(keys, **kw)
-        log.append(("book", len(keys), engine.host.stats().evictions - before))
-        return slots
-
-    monkeypatch.setattr(engine.host, "reserve_many", logged)
-    src = _ids(3)
-    stored = rows[src].clone()
-    assert engine.store(new, src).chunks == 3
-    engine.wait_all()
-    assert [e for e in log if e[0] == "book"] == [("book", 1, 0), ("book", 2, 2)]  # the lead's slot was at hand
-    assert engine.host.stats().evictions == 4  # and one more ahead: ``mid``'s oldest
-    assert [engine.host.contains(k) for k in old + mid + new] == [False] * 3 + [False, True, True] + [True] * 3
-    monkeypatch.undo()
-    dst = _ids(4)
-    _loads_exact(engine, rows, new, dst, stored, seed=9)
-    _idle(engine)
-    _round_trip(engine, rows, 500)
-
-
 def test_a_stores_lead_is_enqueued_before_the_store_is_tracked(make, monkeypatch):
     """What the store needs only later (its record in the FIFO, its commit, the move over its
     other chunks) is made while the lead copies, not before it (issue 19, sixteenth pass)."""

@@ -35,7 +35,7 @@ import torch
 
 from kvdepot.config import DepotConfig, load_config
 from kvdepot.engine_api import Capabilities
-from kvdepot.engine_loads import Lease, PoolLoads, PoolsOwner, lead_chunks
+from kvdepot.engine_loads import Lease, PoolLoads, PoolsOwner
 from kvdepot.errors import ConfigError, LayoutError
 from kvdepot.events.base import NULL_SINK, EventSink, EventSpace
 from kvdepot.keys import ChunkHasher, ChunkKey, Namespace
@@ -272,14 +272,12 @@ class CacheEngine(PoolsOwner):
         copies go; the others are booked once the whole block list is checked, while the lead
         copies. Booking evicts, and on a GPU host, caches cold from the last operation's DMA,
         booking 8 chunks took ~17 of the ~74 us before a 256 KiB-block store's first copy
-        (``bench bookkeeping``'s batch path with ``--sweep-mib 64``; issue 19). For the same
-        reason a full arena evicts ahead while the lead copies: the next store's lead finds its
-        slots free (``HostTier.evict_ahead``)."""
+        (``bench bookkeeping``'s batch path with ``--sweep-mib 64``; issue 19)."""
         started = time.perf_counter()
         check = self._check_blocks(len(keys), block_ids, lead=True)
         self._check_lead(block_ids, 0, check)
         bpc = self.layout.blocks_per_chunk
-        first = len(keys) if check is None else min(len(keys), lead_chunks(self.layout))
+        first = len(keys) if check is None else min(len(keys), -(-self._lead_blocks // bpc))
         booked = self._book(keys, block_ids, 0, first)
         if not booked and first < len(keys):  # the lead's chunks are all cached: no lead to start with
             booked, first = self._book(keys, block_ids, first, len(keys)), len(keys)
@@ -320,7 +318,7 @@ class CacheEngine(PoolsOwner):
 
                 def check_then_book() -> None:  # while the lead copies; a bad id books nothing more
                     whole_list()  # type: ignore[misc]
-                    more = self._book(keys, block_ids, first, len(keys), ahead=first)
+                    more = self._book(keys, block_ids, first, len(keys))
                     booked.extend(more)
                     stored.extend(keys[c] for c, _ in more)
                     rest.extend(copy for _, copy in more)
@@ -338,19 +336,15 @@ class CacheEngine(PoolsOwner):
             self._stats.store_seconds += time.perf_counter() - started
         return StoreHandle(self._transfers, len(booked), token)
 
-    def _book(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], lo: int, hi: int,
-              ahead: int = 0) -> list[tuple[int, ChunkCopy]]:
+    def _book(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], lo: int, hi: int) -> list[tuple[int, ChunkCopy]]:
         """Book host slots for chunks ``lo..hi-1`` of a store (evicting as needed): (chunk index,
         its copy into its slot) of each one placed; a chunk already cached, or one no slot could
-        be found for, is left out. ``ahead``: then leave that many slots free for the next store's
-        lead (``HostTier.evict_ahead``; the chunks past a lead are booked while the lead copies)."""
+        be found for, is left out."""
         bpc = self.layout.blocks_per_chunk
         with self._lock:
             self._poll_locked()
             slots = self.host.reserve_many(keys[lo:hi])  # drops are counted by the tier (``stats``)
             placed = [(c, slot, self.host.span(keys[c])) for c, slot in enumerate(slots, lo) if slot is not None]
-            if ahead:
-                self.host.evict_ahead(ahead)
         # The copies are built outside the engine's lock: only the slots and their spans need it.
         return [(c, ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot, 0, span)) for c, slot, span in placed]
 

@@ -42,18 +42,6 @@ LEAD_BYTES = 8 << 20
 Lease = Hashable  # in-process any hashable names a lease (``engine_api.Lease``, or a server's own)
 
 
-def lead_blocks(layout: PoolLayout) -> int:
-    """The blocks of an operation's lead (``LEAD_BYTES``, at least one)."""
-    return max(1, LEAD_BYTES // layout.bytes_per_block)
-
-
-def lead_chunks(layout: PoolLayout) -> int:
-    """The chunks a store's lead books before its copies go, and as many slots as a full arena
-    keeps free for the next store (``HostTier.evict_ahead``): an arena sized to a working set
-    must have room for them too (the benches' arenas)."""
-    return -(-lead_blocks(layout) // layout.blocks_per_chunk)
-
-
 class LoadPath:
     """``CacheEngine``'s loads; the attributes are the engine's (set by its constructor)."""
 
@@ -88,7 +76,7 @@ class LoadPath:
 
     @property
     def _lead_blocks(self) -> int:
-        return lead_blocks(self.layout)
+        return max(1, LEAD_BYTES // self.layout.bytes_per_block)
 
     def _check_lead(self, block_ids: Sequence[int], start: int, check: Callable[[], None] | None) -> None:
         """The ids of an operation's lead, ``block_ids[start:]``'s first ``_lead_blocks``, where

@@ -216,35 +216,6 @@ def test_reserve_many_expires_a_timed_out_lease_before_evicting():
     verify_idle(tier)
 
 
-def test_evict_ahead_frees_slots_from_the_coldest_ready_chunk_only_in_a_full_arena():
-    """A store leaves a full arena with the next store's lead slots free: the coldest READY
-    chunks go (a timed-out lease pins nothing), never a WRITING or a pinned one, and an arena that
-    may still grow evicts nothing (it will grow instead). Nothing is dropped when nothing can go."""
-    clock = FakeClock()
-    growing = HostTier(4 * SLOT, SLOT, clock=clock)
-    put(growing, key(1), 1)
-    assert growing.evict_ahead(3) == 0 and growing.contains(key(1))
-    tier = HostTier(4 * SLOT, SLOT, clock=clock)
-    assert tier.reserve(key(1)) is not None  # WRITING: never a victim
-    for i in (2, 3, 4):
-        put(tier, key(i), i)
-    assert tier.evict_ahead(0) == 0 and tier.evict_ahead(-1) == 0
-    assert tier.lookup([key(2)], lease="r") == 1  # 2 pinned, 3 now the coldest READY
-    assert tier.lookup([key(4)], lease="slow", timeout_s=1.0) == 1
-    clock.now += 2.0  # the slow lease has timed out: 4 is evictable
-    assert tier.evict_ahead(2) == 2
-    assert [tier.contains(key(i)) for i in (2, 3, 4)] == [True, False, False] and tier.present(key(1))
-    assert tier.evict_ahead(3) == 0  # only pinned and WRITING slots left: stops, drops nothing
-    assert tier.stats().dropped == 0 and tier.stats().evictions == 2
-    assert all(s is not None for s in tier.reserve_many([key(5), key(6)]))  # the slots at hand
-    assert tier.stats().evictions == 2
-    for k in (key(5), key(6)):
-        tier.commit(k, False)
-    tier.release("r")
-    tier.commit(key(1), False)
-    verify_idle(tier)
-
-
 def _index(tier: HostTier, slot) -> int | None:
     """Which of ``tier``'s slots ``slot`` is (its place in the arena, whatever the memory's address)."""
     return None if slot is None else [v.data_ptr() for v in tier._slot_views].index(slot.data_ptr())
@@ -429,16 +400,6 @@ class HostTierMachine(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([0.5, 2.0, 10.0]))
     def advance(self, dt):
         self.clock.now += dt
-
-    @rule(free=st.integers(0, 3))
-    def evict_ahead(self, free):
-        before = set(self.fills)
-        evicted = self.tier.evict_ahead(free)
-        self._forget_evicted()
-        assert len(before - set(self.fills)) == evicted  # nothing else lost, WRITING ones kept
-        if evicted:  # only as far as asked
-            assert self.tier.num_slots - len(self.fills) - len(self.writing) <= free
-        self._check_live_leases()
 
     @rule(i=st.integers(0, 5))
     def delete(self, i):

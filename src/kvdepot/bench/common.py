@@ -12,8 +12,6 @@ from typing import Any
 
 import torch
 
-from kvdepot.engine_loads import lead_chunks
-from kvdepot.layout import PoolLayout
 from kvdepot.transfer.numa import near_gpu
 
 
@@ -294,15 +292,6 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
     return "" if value is None else str(value)
-
-
-def arena_gb(operations: int, op_bytes: int, tokens_per_block: int, chunk_size: int, pool: torch.Tensor) -> float:
-    """``host_capacity_gb`` for a bench's arena: room for ``operations`` operations of ``op_bytes``
-    and for the slots a full arena keeps free for the next store's lead (``HostTier.evict_ahead``).
-    A bench whose working set fills it exactly (the chunks a timed retrieve holds among them)
-    would otherwise see a store evict one of those chunks ahead."""
-    layout = PoolLayout.from_pool(pool, tokens_per_block, chunk_size)
-    return (operations * op_bytes + lead_chunks(layout) * layout.chunk_bytes + 1) / 1e9
 
 
 def device_name(device: torch.device) -> str:

@@ -303,22 +303,6 @@ class HostTier:
             slots.append(self.slot(key))
         return slots
 
-    def evict_ahead(self, free: int) -> int:
-        """Evict the coldest READY chunks until ``free`` slots are free, in an arena that cannot
-        grow any more; the chunks evicted. A store calls this once its own chunks are booked,
-        while its first copies run, so that the next store's first chunks find a slot at hand:
-        evicting on that store's path came before its first copy (issue 19: ~3 us hot, ~10 us
-        with the caches swept, of a 256 KiB-block store's ~45 / 79 us). A full arena holds up to
-        ``free`` chunks fewer for it. Pinned or WRITING slots are never taken; nothing is
-        counted as dropped when none can go (the next store evicts or drops as it always did)."""
-        if len(self._free) >= free or self.next_segment_shape() is not None:
-            return 0
-        self.expire_leases()
-        evicted = 0
-        while len(self._free) < free and self._evict_one():
-            evicted += 1
-        return evicted
-
     def commit(self, key: ChunkKey, ok: bool) -> None:
         """Finish a write: READY on success, FREE again on failure."""
         self.commit_many((key,), ok)
