@@ -107,6 +107,15 @@ def _same(a: tuple, b: tuple) -> bool:
     return torch.equal(a[0], b[0]) and a[1:] == b[1:]
 
 
+def _loads_exact(engine: CacheEngine, rows: torch.Tensor, keys: list, dst: list[int], stored: torch.Tensor, *, seed: int) -> None:
+    """A retrieve of ``keys`` into blocks ``dst`` puts exactly ``stored`` there and writes nothing else."""
+    poison = _poison(rows, seed)
+    assert engine.retrieve(keys, dst) == N * TPB
+    expect = poison.clone()
+    expect[dst] = stored
+    assert torch.equal(rows, expect)
+
+
 def _round_trip(engine: CacheEngine, rows: torch.Tensor, base: int) -> None:
     """The engine still works: a fresh store, loaded into other blocks, bit-exact and nowhere else;
     lead and rest together move each block once, in list order."""
@@ -115,23 +124,10 @@ def _round_trip(engine: CacheEngine, rows: torch.Tensor, base: int) -> None:
     engine.mover.moved.clear()
     assert engine.store(keys, src).chunks == 3
     engine.wait_all()
-    poison = _poison(rows, base)
-    assert engine.retrieve(keys, dst) == N * TPB
-    expect = poison.clone()
-    expect[dst] = stored
-    assert torch.equal(rows, expect)
+    _loads_exact(engine, rows, keys, dst, stored, seed=base)
     for kind, ids in (("gather", src), ("scatter", dst)):
         assert [b for k, moved in engine.mover.moved if k == kind for b in moved] == ids
     _idle(engine)
-
-
-def _loads_exact(engine: CacheEngine, rows: torch.Tensor, keys: list, dst: list[int], stored: torch.Tensor, *, seed: int) -> None:
-    """A retrieve of ``keys`` into blocks ``dst`` puts exactly ``stored`` there and writes nothing else."""
-    poison = _poison(rows, seed)
-    assert engine.retrieve(keys, dst) == N * TPB
-    expect = poison.clone()
-    expect[dst] = stored
-    assert torch.equal(rows, expect)
 
 
 def _bad(ids: list[int], pos: int, kind: str, lead_at: int) -> list[int]:
@@ -196,11 +192,7 @@ def test_a_load_with_a_bad_id_past_the_lead_writes_only_its_lead(make, mover, le
     expect[[dst[p] for p in lead_pos]] = stored[list(lead_pos)]
     assert torch.equal(rows, expect)
     _idle(engine)
-    poison = _poison(rows, 4)
-    assert engine.retrieve(keys, dst) == N * TPB  # the chunks are still cached, intact
-    expect = poison.clone()
-    expect[dst] = stored
-    assert torch.equal(rows, expect)
+    _loads_exact(engine, rows, keys, dst, stored, seed=4)  # the chunks are still cached, intact
     _round_trip(engine, rows, 100)
 
 
