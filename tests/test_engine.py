@@ -688,46 +688,6 @@ def test_cuda_store_is_issued_off_the_callers_thread_and_a_load_does_not_wait_fo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mover", ["batch", "staged", "runs"])
-def test_cuda_stores_through_spares_are_bit_exact_and_a_failed_ones_spare_waits_for_its_copies(monkeypatch, mover):
-    """With a lead of one block, each store after the first copies its first chunk into the spare
-    the store before booked (``CacheEngine.store``), on the engine's real streams: every chunk
-    loads back exact. A store that fails past its lead (a bad id) frees its spare only once the
-    lead's copies, still queued behind a GPU sleep, have run: never while they may land in it."""
-    from kvdepot import engine_loads
-
-    if mover == "batch" and not transfer.cuda_batch.available():
-        pytest.skip("the driver has no batched copy call")
-    rig = Rig(device="cuda", tpb=16, bpc=2, num_blocks=40, mover=mover)
-    engine = rig.engine
-    monkeypatch.setattr(engine_loads, "LEAD_BYTES", engine.layout.bytes_per_block)
-    original = rig.rows()
-    requests = [(tokens, ids, engine.store(engine.chunk_keys(tokens), ids))
-                for tokens, ids in ((rig.tokens(96), rig.ids(6)) for _ in range(5))]
-    engine.wait_all()
-    assert engine.host.spares == 1 and all(handle.chunks == 3 for *_, handle in requests)
-    for tokens, ids, _ in requests:
-        poison = rig.fill()
-        dst = rig.ids(6)
-        assert engine.retrieve(engine.chunk_keys(tokens), dst) == 96
-        verify_rows(rig.rows(), {dst[p]: original[ids[p]] for p in range(6)}, poison)
-    # The failure, with the lead's copies held back on the store stream by a GPU sleep.
-    engine = cuda_engine(rig, SlowMover(slow_gather=True))
-    engine.store(engine.chunk_keys(rig.tokens(64)), rig.ids(4)).wait()
-    (spare, *_), = engine._spare  # white box: the spare the next store takes
-    tokens, bad = rig.tokens(96), rig.ids(6)
-    bad[4] = rig.num_blocks
-    with pytest.raises(LayoutError):
-        engine.store(engine.chunk_keys(tokens), bad)
-    assert engine.host.spares == 1 and spare not in engine.host._free  # its lead may still land there
-    engine.wait_all()
-    engine.poll()
-    assert engine.host.spares == 0 and spare in engine.host._free
-    assert engine.lookup(engine.chunk_keys(tokens)) == 0
-    rig.verify_idle()
-
-
-@pytest.mark.gpu
 def test_cuda_store_that_cannot_be_issued_is_dropped_and_leaks_nothing():
     rig = Rig(device="cuda", tpb=16, bpc=2, num_blocks=8)
     mover = GatedMover(error=RuntimeError("no copy today"))

@@ -60,9 +60,6 @@ __all__ = ["STAGED_BELOW_BYTES", "CacheEngine", "EngineStats", "Hit", "LayeredLo
 # Without that call, blocks of 2 MiB and more run a DMA each near the ceiling; smaller ones are
 # gathered on the device first (transfer/staged.py).
 STAGED_BELOW_BYTES = 2 << 20
-# A host arena of fewer slots keeps no spare for the next store's first chunk (``store``): the
-# spare's slot is taken from the arena's capacity, and one in 16 is too much to give for it.
-SPARE_MIN_SLOTS = 16
 
 
 class CacheEngine(PoolsOwner):
@@ -130,8 +127,6 @@ class CacheEngine(PoolsOwner):
         self._transfers = InflightTransfers(self._lock, self.config.load_layers_ahead, streams,
                                             int(self.config.store_head_mib * (1 << 20)), self.config.load_layer_thread)
         self._pool_loads: list[PoolLoads] = []  # loads into pools other than the attached one
-        # A host slot booked for the next store's first chunk (``store``): at most one, taken by ``list.pop``.
-        self._spare: list[tuple[int, torch.Tensor, tuple[int, int]]] = []
         self._views: PoolViews = PoolViews([])
         self._tokens = itertools.count(1)  # names the pins of loads and write-behind reads
         self._stats = EngineStats()
@@ -277,30 +272,19 @@ class CacheEngine(PoolsOwner):
         copies go; the others are booked once the whole block list is checked, while the lead
         copies. Booking evicts, and on a GPU host, caches cold from the last operation's DMA,
         booking 8 chunks took ~17 of the ~74 us before a 256 KiB-block store's first copy
-        (``bench bookkeeping``'s batch path with ``--sweep-mib 64``; issue 19). So where the
-        store before left a spare slot (``_spare``) and the first chunk is not in the host tier,
-        the lead copies into the spare with nothing booked at all; the chunk's key adopts the
-        spare, and the next store's spare is booked, while the lead copies."""
+        (``bench bookkeeping``'s batch path with ``--sweep-mib 64``; issue 19)."""
         started = time.perf_counter()
         check = self._check_blocks(len(keys), block_ids, lead=True)
         self._check_lead(block_ids, 0, check)
         bpc = self.layout.blocks_per_chunk
-        spare = self._take_spare(keys, check)
-        spares = [] if spare is None else [spare[0]]  # a spare this store holds and has not adopted
-        if spare is not None:
-            booked, first = [(0, ChunkCopy(block_ids[:bpc], spare[1], 0, spare[2]))], 1
-            stored = []
-        else:
-            first = len(keys) if check is None else min(len(keys), -(-self._lead_blocks // bpc))
-            booked = self._book(keys, block_ids, 0, first)
-            if not booked and first < len(keys):  # the lead's chunks are all cached: no lead to start with
-                booked, first = self._book(keys, block_ids, first, len(keys)), len(keys)
-            stored = [keys[c] for c, _ in booked]
+        first = len(keys) if check is None else min(len(keys), -(-self._lead_blocks // bpc))
+        booked = self._book(keys, block_ids, 0, first)
+        if not booked and first < len(keys):  # the lead's chunks are all cached: no lead to start with
+            booked, first = self._book(keys, block_ids, first, len(keys)), len(keys)
+        stored = [keys[c] for c, _ in booked]
 
         def rollback() -> None:
             self.host.commit_many(stored, False)
-            for slot in spares:  # never adopted: its copies (now run) may have landed in it
-                self.host.free_spare(slot)
 
         copies = [copy for _, copy in booked]
         # The lead's ids were checked as the list's positions ``start..start+lead``: it must not
@@ -325,26 +309,16 @@ class CacheEngine(PoolsOwner):
         try:
             def commit() -> None:
                 self.host.commit_many(stored, True)
-                for slot in spares:  # its chunk was stored by another store meanwhile
-                    self.host.free_spare(slot)
                 if self.lower is not None:  # never blocks: a full queue drops and counts
                     for key in stored:
                         self.lower.write_behind(key, self._provider(key))
 
-            if check is not None:
+            if first < len(keys):
                 whole_list = check
 
                 def check_then_book() -> None:  # while the lead copies; a bad id books nothing more
                     whole_list()  # type: ignore[misc]
-                    if spares:
-                        with self._lock:
-                            adopted = self.host.adopt(keys[0], spares[0])
-                        if adopted:
-                            stored.insert(0, keys[0])
-                            spares.clear()
-                        else:  # copied for nothing: the spare is freed once its copies have run
-                            booked.pop(0)
-                    more = self._book(keys, block_ids, first, len(keys), refill=True)
+                    more = self._book(keys, block_ids, first, len(keys))
                     booked.extend(more)
                     stored.extend(keys[c] for c, _ in more)
                     rest.extend(copy for _, copy in more)
@@ -362,35 +336,17 @@ class CacheEngine(PoolsOwner):
             self._stats.store_seconds += time.perf_counter() - started
         return StoreHandle(self._transfers, len(booked), token)
 
-    def _book(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], lo: int, hi: int, *,
-              refill: bool = False) -> list[tuple[int, ChunkCopy]]:
+    def _book(self, keys: Sequence[ChunkKey], block_ids: Sequence[int], lo: int, hi: int) -> list[tuple[int, ChunkCopy]]:
         """Book host slots for chunks ``lo..hi-1`` of a store (evicting as needed): (chunk index,
         its copy into its slot) of each one placed; a chunk already cached, or one no slot could
-        be found for, is left out. With ``refill``, then book the next store's spare if there is
-        none (after a lead: ``store``)."""
+        be found for, is left out."""
         bpc = self.layout.blocks_per_chunk
         with self._lock:
             self._poll_locked()
             slots = self.host.reserve_many(keys[lo:hi])  # drops are counted by the tier (``stats``)
             placed = [(c, slot, self.host.span(keys[c])) for c, slot in enumerate(slots, lo) if slot is not None]
-            if refill and not self._spare and self.host.num_slots >= SPARE_MIN_SLOTS:
-                spare = self.host.reserve_spare()
-                if spare is not None:
-                    self._spare.append((spare, *self.host.spare(spare)))
         # The copies are built outside the engine's lock: only the slots and their spans need it.
         return [(c, ChunkCopy(block_ids[c * bpc : (c + 1) * bpc], slot, 0, span)) for c, slot, span in placed]
-
-    def _take_spare(self, keys: Sequence[ChunkKey], check: Callable[[], None] | None) -> tuple[int, torch.Tensor, tuple[int, int]] | None:
-        """The spare slot (its index, memory and span) for a store of ``keys``, if it has a lead
-        (``check``), a spare is at hand and its first chunk is not in the host tier; else None.
-        Read without the engine's lock: whether that chunk came in meanwhile is settled by
-        ``HostTier.adopt`` under it, and ``list.pop`` gives the spare to one store only."""
-        if check is None or not self._spare or not keys or self.host.present(keys[0]):
-            return None
-        try:
-            return self._spare.pop()
-        except IndexError:  # another store took it
-            return None
 
     def _provider(self, key: ChunkKey) -> Callable[[], Lent | None]:
         """Write-behind lends a committed chunk's host slot in place, pinned until the tiers have
@@ -451,7 +407,6 @@ class CacheEngine(PoolsOwner):
             s.host_chunks, s.host_capacity_chunks = host.chunks, self.host.num_slots
             # Slots still to be pinned ahead (the arena's share); an unpinned (CPU) arena grows on demand.
             s.host_pending_chunks = self._pinner.pending_slots
-            s.host_spare_chunks = self.host.spares
             s.promoting = self._promotions.running
             s.refused_batches = self.mover.refused
             s.lower = self.lower.stats().tiers if self.lower is not None else []

@@ -40,7 +40,6 @@ class EngineStats:
     host_chunks: int = 0
     host_capacity_chunks: int = 0
     host_pending_chunks: int = 0  # arena slots the background pinner has yet to allocate (0: all there)
-    host_spare_chunks: int = 0  # arena slots booked for the next store's first chunk (``CacheEngine.store``)
     promoting: int = 0  # lookups whose lower-tier chunks are still being read into host memory
     short_loads: int = 0  # loads that found fewer chunks than their lookup promised (logged)
     refused_batches: int = 0  # batched copies the driver refused, each redone by per-run copies (logged)

@@ -304,42 +304,6 @@ def test_a_slot_s_span_is_where_torch_says_it_is_as_segments_come_and_go():
     tier.close()
 
 
-def test_a_spare_evicts_the_coldest_is_never_a_victim_nor_given_back_and_adopts_its_bytes():
-    """``reserve_spare`` books a slot for no key as ``reserve`` would (evicting the coldest READY
-    chunk); the spare is never evicted, its segment never given back to the budget (a store's
-    copies may be landing in it), and ``adopt`` gives its bytes to a key, not to one present."""
-    budget = HostBudget(4 * SLOT)
-    tier = HostTier(4 * SLOT, SLOT, clock=FakeClock())
-    tier.share_budget(budget)  # segments of one slot
-    for i in range(4):
-        put(tier, key(i), i)
-    spare = tier.reserve_spare()
-    assert spare is not None and tier.spares == 1
-    assert not tier.present(key(0)) and all(tier.contains(key(i)) for i in (1, 2, 3))  # the coldest went
-    memory, span = tier.spare(spare)
-    assert span == (memory.data_ptr(), memory.untyped_storage().data_ptr())
-    memory.fill_(99)
-    for i in range(4, 10):  # a full arena evicts READY chunks only: the spare stays
-        put(tier, key(i), i)
-    assert tier.spares == 1 and torch.equal(tier.spare(spare)[0], torch.full((SLOT,), 99, dtype=torch.uint8))
-    other = HostTier(4 * SLOT, SLOT, clock=FakeClock())
-    other.share_budget(budget)  # shares of two slots: two segments may go, never the spare's
-    assert tier.give_back(4 * SLOT) == 2 * SLOT and tier.spares == 1
-    held = next(k for k in map(key, range(10)) if tier.present(k))
-    assert not tier.adopt(held, spare)  # present already: the slot stays a spare
-    assert tier.adopt(key(50), spare) and tier.spares == 0 and tier.present(key(50)) and not tier.contains(key(50))
-    tier.commit(key(50), True)
-    verify_contents(tier, {key(50): 99})
-    again = tier.reserve_spare()
-    tier.free_spare(again)
-    assert tier.spares == 0
-    kept = tier.reserve_spare()
-    tier.close()
-    tier.free_spare(kept)  # after close: nothing to free, and no error
-    assert tier.spares == 0
-    budget.leave(other)
-
-
 def test_lru_policy_order_and_registry():
     policy = POLICIES["lru"]()
     assert isinstance(policy, LRUPolicy)
@@ -385,57 +349,23 @@ class HostTierMachine(RuleBasedStateMachine):
         self.fills: dict[bytes, int] = {}  # READY keys -> what was written
         self.writing: dict[bytes, int] = {}
         self.leases: dict[str, tuple[list[bytes], float]] = {}  # lease -> (keys, deadline)
-        self.spares: dict[int, int] = {}  # spare slot -> what was written into it
         self.version = 0
-
-    def _write(self, slot: torch.Tensor) -> int:
-        self.version = (self.version + 1) % 256
-        slot.fill_(self.version)
-        return self.version
-
-    def _full_of_held_chunks(self) -> None:
-        """A slot may be refused only when every one holds a chunk or a spare and every READY
-        chunk is held by a lease that has not timed out (WRITING ones are never evictable)."""
-        self._forget_evicted()
-        live = {k for keys, deadline in self.leases.values() if deadline > self.clock.now for k in keys}
-        assert len(self.fills) + len(self.writing) + len(self.spares) == self.tier.num_slots
-        assert set(self.fills) <= live
 
     @rule(i=st.integers(0, 5))
     def reserve(self, i):
         slot = self.tier.reserve(key(i))
         if slot is not None:
             assert key(i) not in self.fills and key(i) not in self.writing
-            self.writing[key(i)] = self._write(slot)
+            self.version = (self.version + 1) % 256
+            slot.fill_(self.version)
+            self.writing[key(i)] = self.version
         elif key(i) not in self.fills and key(i) not in self.writing:
-            self._full_of_held_chunks()  # dropped
-
-    @rule()
-    def reserve_spare(self):
-        slot = self.tier.reserve_spare()
-        if slot is None:
-            self._full_of_held_chunks()
-        else:
-            assert slot not in self.spares
-            self.spares[slot] = self._write(self.tier.spare(slot)[0])
-
-    @precondition(lambda self: self.spares)
-    @rule(data=st.data(), i=st.integers(0, 5))
-    def adopt(self, data, i):
-        """A spare's bytes become ``key(i)``'s (WRITING), unless ``key(i)`` is present already."""
-        slot = data.draw(st.sampled_from(sorted(self.spares)))
-        self._forget_evicted()
-        taken = key(i) in self.fills or key(i) in self.writing
-        assert self.tier.adopt(key(i), slot) is not taken
-        if not taken:
-            self.writing[key(i)] = self.spares.pop(slot)
-
-    @precondition(lambda self: self.spares)
-    @rule(data=st.data())
-    def free_spare(self, data):
-        slot = data.draw(st.sampled_from(sorted(self.spares)))
-        del self.spares[slot]
-        self.tier.free_spare(slot)
+            # Dropped: only allowed when the arena is full and every READY chunk is held by a
+            # lease that has not timed out (WRITING ones are never evictable).
+            self._forget_evicted()
+            live = {k for keys, deadline in self.leases.values() if deadline > self.clock.now for k in keys}
+            assert len(self.fills) + len(self.writing) == self.tier.num_slots
+            assert set(self.fills) <= live
 
     @precondition(lambda self: self.writing)
     @rule(data=st.data(), ok=st.booleans())
@@ -494,18 +424,13 @@ class HostTierMachine(RuleBasedStateMachine):
         stats = self.tier.stats()
         assert stats.used_bytes <= stats.capacity_bytes == self.tier.num_slots * SLOT
         assert stats.chunks == len(self.fills) <= self.tier.num_slots
-        assert len(self.fills) + len(self.writing) + len(self.spares) <= self.tier.num_slots
-        assert self.tier.spares == len(self.spares)
+        assert len(self.fills) + len(self.writing) <= self.tier.num_slots
         verify_contents(self.tier, self.fills)  # never another key's (or an evicted key's) bytes
-        for slot, fill in self.spares.items():  # a spare is never evicted nor given to a key it was not
-            assert torch.equal(self.tier.spare(slot)[0], torch.full((SLOT,), fill, dtype=torch.uint8))
         self._check_live_leases()
 
     def teardown(self):
         for k in list(self.writing):
             self.tier.commit(k, False)
-        for slot in self.spares:
-            self.tier.free_spare(slot)
         for lease in ("a", "b"):
             self.tier.release(lease)
         verify_idle(self.tier)

@@ -35,7 +35,6 @@ import torch
 from kvdepot.bench.common import (
     HostSteal,
     Memcpy,
-    arena_gb,
     c_helper,
     device_name,
     host_python_us,
@@ -88,8 +87,7 @@ class _Side:
     def __init__(self, package: str, pool: torch.Tensor, args: argparse.Namespace, nbytes: int, rng: random.Random) -> None:
         engine_mod = importlib.import_module(f"{package}.engine")
         config = importlib.import_module(f"{package}.config").load_config(
-            chunk_size=args.chunk_size, transfer_mover=args.mover,
-            host_capacity_gb=arena_gb(3, nbytes, pool[0].numel() * pool.element_size() * (args.chunk_size // args.tokens_per_block)))
+            chunk_size=args.chunk_size, host_capacity_gb=(3 * nbytes + 1) / 1e9, transfer_mover=args.mover)
         self.engine = engine_mod.CacheEngine.for_pool(pool, args.tokens_per_block, config)
         self.engine.wait_arena()
         self._pool_blocks, self._rng, self._blocks = pool.shape[0], rng, args.blocks  # ids drawn off the clock

@@ -207,16 +207,14 @@ def _build(layers: int, heads: int, dim: int, tpb: int, args: argparse.Namespace
     (so that every timed store evicts), and the timed operations' keys and block ids."""
     import torch
 
-    from kvdepot.bench.common import arena_gb
     from kvdepot.config import load_config
     from kvdepot.engine import CacheEngine
     from kvdepot.layout import PoolLayout
 
     moved = args.blocks - args.blocks % (args.chunk_size // tpb)
     pool = torch.empty((moved * 3, layers, 2, heads * tpb * dim), dtype=torch.bfloat16)
-    block_bytes = pool[0].numel() * pool.element_size()
-    config = load_config(chunk_size=args.chunk_size, pin_host_memory="false",
-                         host_capacity_gb=arena_gb(3, moved * block_bytes, args.chunk_size // tpb * block_bytes))
+    op_bytes = moved * pool[0].numel() * pool.element_size()
+    config = load_config(chunk_size=args.chunk_size, host_capacity_gb=(3 * op_bytes + 1) / 1e9, pin_host_memory="false")
     layout = PoolLayout.from_pool(pool, tpb, args.chunk_size)
     engine = CacheEngine(layout, config, mover=mover, streams=streams)
     engine.register_pool(pool)

@@ -294,14 +294,6 @@ def _fmt(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def arena_gb(operations: int, op_bytes: int, chunk_bytes: int) -> float:
-    """``host_capacity_gb`` for a bench's arena: room for ``operations`` operations of ``op_bytes``
-    and the slot an engine keeps spare for its next store's first chunk (``CacheEngine.store``).
-    A bench whose working set fills the arena exactly (the chunks a timed retrieve holds among
-    them) would otherwise see a store's spare evict one of those chunks."""
-    return (operations * op_bytes + chunk_bytes + 1) / 1e9
-
-
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)

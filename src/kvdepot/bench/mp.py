@@ -189,13 +189,12 @@ class _Dropped(RuntimeError):
 
 
 def _host_full(engine: Any) -> bool:
-    """Every slot of the (in-process or server) engine's host arena is allocated and holds a chunk
-    or the spare kept for the next store's first chunk."""
+    """Every slot of the (in-process or server) engine's host arena is allocated and holds a chunk."""
     stats = engine.stats()
     if isinstance(stats, p.StatsReply):
         figures = stats.shards[0].figures if stats.shards else {}
-        return figures.get("host_chunks", 0) + figures.get("host_spare_chunks", 0) >= figures.get("host_capacity_chunks", 1)
-    return stats is not None and stats.host_chunks + stats.host_spare_chunks >= stats.host_capacity_chunks
+        return figures.get("host_chunks", 0) >= figures.get("host_capacity_chunks", 1)
+    return stats is not None and stats.host_chunks >= stats.host_capacity_chunks
 
 
 def _rtt(client: DepotClient, keys: list[bytes] | None, n: int) -> dict[str, Any]:

@@ -24,7 +24,6 @@ from kvdepot.bench import call_anatomy
 from kvdepot.bench.common import (
     HostSteal,
     Memcpy,
-    arena_gb,
     behind_work_seconds,
     c_helper,
     compute_share,
@@ -144,8 +143,8 @@ def _run_one(args: argparse.Namespace, mover: str, report: Report,
     nbytes = moved * block_bytes
     # Room for three batches: after the warm-up the arena is fully allocated and stores evict,
     # which is the steady state of a busy cache (first-fill pinning is not a transfer cost).
-    capacity = arena_gb(3, nbytes, chunk_blocks * block_bytes)
-    config = load_config(chunk_size=args.chunk_size, host_capacity_gb=capacity, transfer_mover=mover, **variant)
+    config = load_config(chunk_size=args.chunk_size, host_capacity_gb=(3 * nbytes + 1) / 1e9, transfer_mover=mover,
+                         **variant)
     engine = CacheEngine.for_pool(pool, args.tokens_per_block, config)
     engine.wait_arena()
     rng = random.Random(0)

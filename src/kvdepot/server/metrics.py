@@ -41,7 +41,6 @@ SHARD_GAUGES = {
     "host_chunks": ("host_chunks", "chunks held in host memory"),
     "host_capacity_chunks": ("host_capacity_chunks", "host-tier slots"),
     "host_pending_chunks": ("host_pending_chunks", "host-tier slots not yet allocated (pinning in the background)"),
-    "host_spare_chunks": ("host_spare_chunks", "host-tier slots booked for the next store's first chunk"),
 }
 TIER_NAMES = ("disk", "redis")  # lower tiers whose <tier>_<field> figures are exported
 TIER_COUNTERS = {

@@ -12,9 +12,7 @@ READY (readable, in the eviction order) or FREE again. Reads happen under *lease
 pins slots so they cannot be evicted until ``release`` or, for leases given a timeout, until
 the timeout passes (a lookup whose load never comes must not pin memory forever).
 A full arena evicts the coldest unpinned READY slot; if every slot is pinned the write is
-dropped and counted — a store never fails and never grows the arena. A *spare* is a slot booked
-before its key is known (``reserve_spare``: WRITING for no key, never a victim, its segment never
-given back), which ``adopt`` then gives a key, or ``free_spare`` frees.
+dropped and counted — a store never fails and never grows the arena.
 
 Not thread-safe by itself: ``CacheEngine`` serializes calls with its lock.
 """
@@ -95,7 +93,6 @@ class HostTier:
         self._allocated = 0  # slots backed by memory so far
         self._free: list[int] = []
         self._slot_of: dict[ChunkKey, int] = {}
-        self._spares: set[int] = set()  # slots booked for no key yet (``reserve_spare``)
         self._ready: set[ChunkKey] = set()
         self._pins: dict[ChunkKey, int] = {}
         self._leases: dict[Hashable, _Lease] = {}
@@ -129,7 +126,7 @@ class HostTier:
         if self._budget is not None:
             self._budget.leave(self)
         self._segments, self._slot_views, self._slot_spans, self._free = [], [], [], []
-        self._slot_of, self._ready, self._pins, self._leases, self._spares = {}, set(), {}, {}, set()
+        self._slot_of, self._ready, self._pins, self._leases = {}, set(), {}, {}
         self._allocated = self.num_slots = 0
 
     # ---- slots -------------------------------------------------------------------------
@@ -223,9 +220,8 @@ class HostTier:
         owner = {slot: key for key, slot in self._slot_of.items()}
         movable = []
         for seg in self._segments:
-            slots = range(seg.first, seg.first + seg.memory.shape[0])
-            keys = [owner[i] for i in slots if i in owner]
-            if all(k in self._ready and not self._pins.get(k) for k in keys) and not any(i in slots for i in self._spares):
+            keys = [owner[i] for i in range(seg.first, seg.first + seg.memory.shape[0]) if i in owner]
+            if all(k in self._ready and not self._pins.get(k) for k in keys):
                 movable.append((len(keys), -seg.first, seg, keys))
         given = 0
         for _, _, seg, keys in sorted(movable, key=lambda m: m[:2]):
@@ -290,72 +286,22 @@ class HostTier:
             if key in self._slot_of:
                 slots.append(None)
                 continue
-            found, expired = self._room(expired)
-            if not found:
-                self._stats.dropped += count_drop
-                slots.append(None)
-                continue
+            if not self._free and not (self.grow_inline and self._grow()):
+                if not self.grow_inline and self.next_segment_shape() is not None:
+                    self.on_short()  # the pinner may add memory (off-thread; this write goes on)
+                if not expired:
+                    self.expire_leases()
+                    expired = True
+                if not self._evict_one():
+                    self._stats.dropped += count_drop
+                    slots.append(None)
+                    continue
             self._slot_of[key] = self._free.pop()
             # Ranked now, not at commit: a WRITING slot is never a victim (``_evict_one`` takes
             # READY ones), and the commit runs after the store's last copy, on its waiter's clock.
             self._policy.touch(key)
             slots.append(self.slot(key))
         return slots
-
-    def _room(self, expired: bool) -> tuple[bool, bool]:
-        """Make sure a slot is free (grow, else evict the coldest): (one is, leases expired by
-        now). ``expired``: this call's leases were expired already (once per call)."""
-        if self._free or (self.grow_inline and self._grow()):
-            return True, expired
-        if not self.grow_inline and self.next_segment_shape() is not None:
-            self.on_short()  # the pinner may add memory (off-thread; this write goes on)
-        if not expired:
-            self.expire_leases()
-        return self._evict_one(), True
-
-    # ---- spares: slots booked before their key ----------------------------------------------
-    def reserve_spare(self) -> int | None:
-        """A slot booked for no key yet, evicting as ``reserve`` does (None, not counted as a
-        drop, where nothing can go): its index, for ``spare`` / ``adopt`` / ``free_spare``.
-
-        Why: an engine's store copies its first chunk into a spare booked by the store before
-        it, so its first copies go before it books anything (issue 19: booking, with its
-        eviction, stood before a small store's first copy). The cost: a full arena holds one
-        chunk fewer, and the chunk evicted for the spare goes one store early."""
-        found, _ = self._room(False)
-        if not found:
-            return None
-        slot = self._free.pop()
-        self._spares.add(slot)
-        return slot
-
-    def spare(self, slot: int) -> tuple[torch.Tensor, tuple[int, int]]:
-        """Spare ``slot``'s memory and its ``span``."""
-        assert slot in self._spares
-        span = self._slot_spans[slot]
-        assert span is not None  # a spare's segment is never given back
-        return self._slot_views[slot], span
-
-    def adopt(self, key: ChunkKey, slot: int) -> bool:
-        """Give spare ``slot`` to ``key``: WRITING, as after ``reserve``, its bytes (copied in
-        already, or still landing) committed by ``commit``. False where ``key`` is present
-        already: the slot stays a spare."""
-        if key in self._slot_of:
-            return False
-        self._spares.remove(slot)
-        self._slot_of[key] = slot
-        self._policy.touch(key)
-        return True
-
-    def free_spare(self, slot: int) -> None:
-        """Free spare ``slot`` (once nothing can still land in it); nothing after ``close``."""
-        if slot in self._spares:
-            self._spares.remove(slot)
-            self._free.append(slot)
-
-    @property
-    def spares(self) -> int:
-        return len(self._spares)
 
     def commit(self, key: ChunkKey, ok: bool) -> None:
         """Finish a write: READY on success, FREE again on failure."""
